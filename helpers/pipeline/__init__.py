@@ -1,0 +1,18 @@
+"""Pipeline parallelism (chapters 11-12): partition, schedules, simulator, executor.
+
+* ``partition``: cut a stack of layers into contiguous stages (ch. 11).
+* ``schedules``: GPipe, 1F1B and interleaved 1F1B as pure
+  functions returning one list of actions per rank (ch. 12).
+* ``simulate``: timelines, bubble fraction and peak stash of any schedule.
+* ``executor``: runs any F/B schedule on real ranks with send/recv.
+"""
+
+from helpers.pipeline.partition import partition, stage_costs
+from helpers.pipeline.schedules import (Action, B, F, format_schedule, gpipe, interleaved_1f1b,
+                                        one_f_one_b)
+from helpers.pipeline.simulate import (ScheduleDeadlock, Simulation, bubble_formula, gantt,
+                                       peak_stash, simulate, validate_schedule)
+
+__all__ = ["partition", "stage_costs", "Action", "F", "B", "gpipe", "one_f_one_b",
+           "interleaved_1f1b", "format_schedule", "simulate", "Simulation",
+           "ScheduleDeadlock", "validate_schedule", "bubble_formula", "peak_stash", "gantt"]

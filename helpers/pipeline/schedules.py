@@ -1,0 +1,191 @@
+"""Pipeline schedules as data: for each rank, the ordered list of what it does.
+
+A pipeline step pushes ``m`` micro-batches through ``p`` ranks. Each rank can
+do two kinds of work on a micro-batch ``j``: its forward ``F(j)`` and its
+backward ``B(j)``. A *schedule* says in which order each rank does them, and
+nothing else. Here it is plain data::
+
+    gpipe(2, 3)      -> [[F0, F1, F2, B0, B1, B2],      # rank 0
+                         [F0, F1, F2, B0, B1, B2]]      # rank 1
+    one_f_one_b(2, 3) -> [[F0, F1, B0, F2, B1, B2],
+                          [F0, B0, F1, B1, F2, B2]]
+
+so a schedule can be printed, compared, simulated (``helpers.pipeline.simulate``)
+and run (``helpers.pipeline.executor``) without any process group. The
+dependencies are implied: ``F(j)`` on stage s needs ``F(j)`` of stage s-1;
+``B(j)`` on stage s needs ``B(j)`` of stage s+1 and its own ``F(j)`` (whose
+activations it stashed).
+
+The three classic schedules
+---------------------------
+* **GPipe** (Huang et al. 2019, "GPipe", sec. 2.2): all forwards, then all
+  backwards. Every rank stashes the activations of all ``m`` micro-batches.
+* **1F1B** (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
+  Training" (PipeDream-Flush/2BW), sec. 3.1; also Megatron-LM SC21, sec. 2.2.1):
+  rank r first does ``p - r - 1`` warm-up forwards, then alternates one
+  forward and one backward, then drains the remaining backwards. Same bubble as
+  GPipe, but rank r never holds more than ``min(p - r, m)`` micro-batches.
+* **Interleaved 1F1B** (Narayanan et al. 2021, "Efficient Large-Scale Language
+  Model Training on GPU Clusters Using Megatron-LM", sec. 2.2.2): each rank
+  holds ``v`` non-contiguous model chunks ("virtual stages"); chunk c of rank r
+  is virtual stage ``c * p + r``. Each chunk is v times shorter, so the fill and
+  drain shrink by v: bubble ``(p-1) / (v*m + p-1)`` instead of
+  ``(p-1) / (m + p-1)``, paid for with v times more point-to-point messages.
+  This implementation (like Megatron's) needs ``m`` to be a multiple of ``p``.
+
+Cost summary with t_b = 2 t_f (Narayanan et al. 2021, SC21, eq. 1 and sec. 2.2.2):
+bubble time ``(p-1)(t_f + t_b)`` for GPipe and 1F1B, ``(p-1)(t_f + t_b)/v``
+interleaved; peak stash m (GPipe), p - r (1F1B, rank r).
+
+How production differs: Megatron-LM and ``torch.distributed.pipelining`` also
+generate action lists (the latter calls them "pipeline_order") and add
+actions for the communication itself (send/recv) so they can be overlapped
+and batched. Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline
+Parallelism") split B into input-gradient and weight-gradient actions and use
+the weight-gradient work, which nobody waits for, to fill the bubble; they are
+the frontier this chapter points to but does not implement.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+__all__ = ["Action", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b", "normalize", "schedule_shape", "format_schedule"]
+
+
+class Action(NamedTuple):
+    """One unit of work on one rank: forward "F" or backward "B" of a micro-batch
+    on one of the rank's model chunks (chunk 0 unless the schedule interleaves)."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        tail = f".{self.chunk}" if self.chunk else ""
+        return f"{self.kind}{self.microbatch}{tail}"
+
+
+def F(j: int, chunk: int = 0) -> Action:
+    return Action("F", j, chunk)
+
+
+def B(j: int, chunk: int = 0) -> Action:
+    return Action("B", j, chunk)
+
+
+def _check_counts(num_stages: int, num_microbatches: int) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """All forwards, then all backwards, on every rank (Huang et al. 2019, sec. 2.2)."""
+    _check_counts(num_stages, num_microbatches)
+    m = num_microbatches
+    return [[F(j) for j in range(m)] + [B(j) for j in range(m)] for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """PipeDream-Flush's one-forward-one-backward (Narayanan et al. 2021, sec. 3.1).
+
+    Rank r: warm-up of ``w = min(p - r - 1, m)`` forwards; steady phase of
+    ``m - w`` (forward, backward) pairs; cool-down of the ``w`` backwards left.
+    The last rank has no warm-up: it turns each forward straight into a backward.
+    """
+    _check_counts(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    schedule = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        actions = [F(j) for j in range(warmup)]                 # fill
+        for k in range(m - warmup):                             # steady: F(k+w), B(k)
+            actions += [F(k + warmup), B(k)]
+        actions += [B(j) for j in range(m - warmup, m)]         # drain
+        schedule.append(actions)
+    return schedule
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int,
+                     num_chunks: int) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, SC21, sec. 2.2.2).
+
+    Work is counted in *virtual micro-batches*: every rank does ``v * m``
+    forwards, taken in groups of p micro-batches per chunk: micro-batches
+    0..p-1 on chunk 0, then the same p on chunk 1, ..., then micro-batches
+    p..2p-1 on chunk 0, and so on. Backwards go through the chunks in reverse.
+    Rank r warms up with ``(p - r - 1) * 2 + (v - 1) * p`` forwards (so the
+    last virtual stage can start backwards as early as possible), then
+    alternates, then drains.
+    """
+    _check_counts(num_stages, num_microbatches)
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if v == 1:
+        return one_f_one_b(p, m)
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of "
+                         f"num_stages: got m={m}, p={p}; use m={m + (-m) % p} (or a plain "
+                         f"1F1B schedule)")
+    total = v * m  # virtual micro-batches per rank
+
+    def forward_action(k: int) -> Action:
+        group, within = divmod(k, p * v)             # which block of p micro-batches
+        return F(group * p + within % p, chunk=within // p)
+
+    def backward_action(k: int) -> Action:
+        a = forward_action(k)
+        return B(a.microbatch, chunk=v - 1 - a.chunk)
+
+    schedule = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        actions = [forward_action(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [forward_action(k + warmup), backward_action(k)]
+        actions += [backward_action(k) for k in range(total - warmup, total)]
+        schedule.append(actions)
+    return schedule
+
+
+def normalize(schedule: Sequence[Sequence]) -> list[list[Action]]:
+    """Accept tuples like ("F", 3) or ("B", 3, 1); return lists of ``Action``."""
+    if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Sequence) or not schedule:
+        raise ValueError("a schedule is a non-empty list with one list of actions per rank")
+    out = []
+    for r, actions in enumerate(schedule):
+        if isinstance(actions, (str, bytes)) or not isinstance(actions, Sequence):
+            raise ValueError(f"rank {r}: expected a list of actions, got {type(actions).__name__}")
+        row = []
+        for a in actions:
+            try:
+                act = Action(*a)
+            except TypeError:
+                raise ValueError(f"rank {r}: {a!r} is not an action (kind, microbatch[, chunk])") \
+                    from None
+            if act.kind not in ("F", "B"):
+                raise ValueError(f"rank {r}: action kind must be 'F' or 'B', got {act.kind!r}")
+            if not isinstance(act.microbatch, int) or not isinstance(act.chunk, int) \
+                    or act.microbatch < 0 or act.chunk < 0:
+                raise ValueError(f"rank {r}: micro-batch and chunk must be ints >= 0 in {act!r}")
+            row.append(act)
+        out.append(row)
+    return out
+
+
+def schedule_shape(schedule: Sequence[Sequence]) -> tuple[int, int, int]:
+    """(p ranks, m micro-batches, v chunks) of a schedule, read off its actions."""
+    sched = normalize(schedule)
+    acts = [a for row in sched for a in row]
+    if not acts:
+        raise ValueError("the schedule has no actions")
+    return len(sched), max(a.microbatch for a in acts) + 1, max(a.chunk for a in acts) + 1
+
+
+def format_schedule(schedule: Sequence[Sequence], width: int = 5) -> str:
+    """One line per rank, e.g. ``rank 0 | F0   F1   B0   F2 ...``."""
+    sched = normalize(schedule)
+    return "\n".join(f"rank {r} | " + "".join(f"{a!r:<{width}}" for a in row).rstrip()
+                     for r, row in enumerate(sched))
