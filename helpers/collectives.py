@@ -1,0 +1,302 @@
+"""Ring all-reduce from point-to-point messages, and how to read its cost.
+
+What
+----
+An all-reduce leaves the element-wise sum of every rank's tensor on every
+rank. The ring algorithm (Patarasuk & Yuan 2009, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations"; Thakur et al. 2005,
+"Optimization of collective communication operations in MPICH", sec. 4.5)
+does it in two phases over a logical ring 0 -> 1 -> ... -> p-1 -> 0:
+
+1. **reduce-scatter**: cut the tensor into p chunks. In each of p-1 steps,
+   every rank sends one chunk to its right neighbour and adds the chunk it
+   receives from its left neighbour into its own copy. Afterwards rank r
+   holds the complete sum of chunk r.
+2. **all-gather**: p-1 more steps pass the finished chunks around the ring,
+   each rank overwriting its stale copy, until everyone has every chunk.
+
+Why it is bandwidth-optimal: each rank sends 2(p-1) chunks of N/p bytes, i.e.
+2(p-1)/p * N bytes, which tends to 2N however many ranks there are. Any
+all-reduce must move at least that much through each rank's link
+(Patarasuk & Yuan 2009, sec. 3). The price is latency: 2(p-1) sequential
+messages, each paying the per-message start-up cost alpha.
+
+Cost (the alpha-beta model, Thakur et al. 2005, sec. 4; Hockney 1994)
+---------------------------------------------------------------------
+A message of n bytes costs alpha + n / beta (alpha: latency, seconds;
+beta: link bandwidth, bytes/s). Ring all-reduce of N bytes on p ranks:
+
+    T_ring = 2(p-1) alpha + 2 (p-1)/p * N / beta
+
+A binomial tree (reduce to a root, then broadcast back) sends the whole
+message at every one of its 2 ceil(log2 p) levels:
+
+    T_tree = 2 ceil(log2 p) (alpha + N / beta)
+
+so the tree wins for small messages (few alphas), the ring for large ones.
+NCCL's trees are pipelined double binary trees that also reach ~2N/beta; the
+simple tree here is the textbook one that shows the trade-off.
+
+Algorithm vs bus bandwidth (nccl-tests, doc/PERFORMANCE.md)
+-----------------------------------------------------------
+``algbw = N / T`` depends on p for the same hardware. nccl-tests therefore
+also report ``busbw = algbw * factor`` with factor 2(p-1)/p for all-reduce and
+(p-1)/p for reduce-scatter and all-gather: the bytes that really crossed each
+link per second, comparable with the link's peak whatever p is.
+
+How production differs: NCCL and gloo split a big tensor into many small
+pieces and pipeline them, use several rings/channels at once, pick ring or
+tree per message size, and reduce on the GPU with fused kernels. Our version
+sends one chunk per step and waits; it is short enough to read in one sitting
+and still within a small factor of gloo on large messages.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["chunk_bounds", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+           "ring_all_reduce_time", "tree_all_reduce_time", "bus_bandwidth", "BUSBW_FACTORS",
+           "measure_collective", "sweep", "fit_alpha_beta"]
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``world_size`` contiguous chunks, sizes differ by <= 1.
+
+    The first ``numel % world_size`` chunks get one extra element, so any size
+    works (also numel < world_size: the trailing chunks are empty).
+    """
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1, got {numel}, {world_size}")
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for i in range(world_size):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _ring(group) -> tuple[int, int, int, int]:
+    """(rank, world_size, global rank of right neighbour, global rank of left neighbour)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, 0, 0  # no process group: one rank, the collectives do nothing
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    right, left = (rank + 1) % p, (rank - 1) % p
+    if group is not None:  # isend/irecv address peers by their global rank
+        right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
+    return rank, p, right, left
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError("ring collectives work in place on a contiguous tensor; "
+                         "call .contiguous() first (and copy the result back)")
+    return tensor.view(-1)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
+    """Send ``send`` to the right neighbour while receiving ``recv`` from the left.
+
+    Both are posted before waiting on either: with blocking send then recv,
+    every rank would sit in send waiting for a receiver that is itself sending.
+    """
+    ops = []
+    if send.numel():
+        ops.append(dist.isend(send, right))
+    if recv.numel():
+        ops.append(dist.irecv(recv, left))
+    for op in ops:
+        op.wait()
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Phase 1, in place: afterwards chunk ``rank`` (``chunk_bounds``) holds the sum.
+
+    Returns that chunk (a view into ``tensor``). The other chunks hold partial
+    sums and are meant to be overwritten by ``ring_all_gather``.
+    """
+    flat = _flat(tensor)
+    rank, p, right, left = _ring(group)
+    if p == 1:
+        return flat
+    bounds = chunk_bounds(flat.numel(), p)
+    buf = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    # Step s: send chunk (rank - s - 1), receive chunk (rank - s - 2) and add it.
+    # The chunk received in the last step (s = p-2) is chunk `rank`, which by then
+    # has collected the contributions of all p ranks (Patarasuk & Yuan 2009, sec. 4).
+    for s in range(p - 1):
+        a, b = bounds[(rank - s - 1) % p]
+        c, d = bounds[(rank - s - 2) % p]
+        incoming = buf[: d - c]
+        _exchange(flat[a:b], incoming, right, left)
+        flat[c:d].add_(incoming)  # (chunk,) += (chunk,)
+    a, b = bounds[rank]
+    return flat[a:b]
+
+
+def ring_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Phase 2, in place: on entry chunk ``rank`` is final; on return every chunk is.
+
+    Step s sends chunk (rank - s) and receives chunk (rank - s - 1) straight
+    into its place (no add, no extra buffer).
+    """
+    flat = _flat(tensor)
+    rank, p, right, left = _ring(group)
+    if p == 1:
+        return tensor
+    bounds = chunk_bounds(flat.numel(), p)
+    for s in range(p - 1):
+        a, b = bounds[(rank - s) % p]
+        c, d = bounds[(rank - s - 1) % p]
+        _exchange(flat[a:b], flat[c:d], right, left)
+    return tensor
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place sum over the group, as reduce-scatter then all-gather. Returns ``tensor``.
+
+    Same result as ``dist.all_reduce(tensor)`` (up to floating-point summation
+    order; exact for integers).
+    """
+    if tensor.dtype == torch.bool:
+        raise TypeError("ring_all_reduce sums; a bool tensor has no sum. Cast to int first.")
+    ring_reduce_scatter(tensor, group)
+    ring_all_gather(tensor, group)
+    return tensor
+
+
+# --------------------------------------------------------------------------
+# The alpha-beta cost model and bus bandwidth.
+# --------------------------------------------------------------------------
+
+def _check_model_args(nbytes: float, world_size: int, alpha: float, beta: float) -> None:
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if alpha < 0 or beta <= 0:
+        raise ValueError(f"need alpha >= 0 (seconds) and beta > 0 (bytes/s), got {alpha}, {beta}")
+
+
+def ring_all_reduce_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """T = 2(p-1) alpha + 2(p-1)/p * nbytes / beta (Patarasuk & Yuan 2009; Thakur et al. 2005)."""
+    _check_model_args(nbytes, world_size, alpha, beta)
+    p = world_size
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / beta
+
+
+def tree_all_reduce_time(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Binomial-tree reduce then broadcast: 2 ceil(log2 p) (alpha + nbytes/beta)
+    (Thakur et al. 2005, sec. 4.1-4.2; unpipelined)."""
+    _check_model_args(nbytes, world_size, alpha, beta)
+    return 2 * math.ceil(math.log2(world_size)) * (alpha + nbytes / beta)
+
+
+# busbw = algbw * factor(p); nccl-tests doc/PERFORMANCE.md, one factor per collective.
+BUSBW_FACTORS = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "all_to_all": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0,
+    "reduce": lambda p: 1.0,
+}
+
+
+def bus_bandwidth(algbw: float, world_size: int, op: str = "all_reduce") -> float:
+    """Bus bandwidth from algorithm bandwidth (bytes/s in, bytes/s out)."""
+    if op not in BUSBW_FACTORS:
+        raise ValueError(f"unknown collective {op!r}; choose from {sorted(BUSBW_FACTORS)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return algbw * BUSBW_FACTORS[op](world_size)
+
+
+# --------------------------------------------------------------------------
+# Measuring: run inside launch(); every rank returns the same numbers.
+# --------------------------------------------------------------------------
+
+def _all_reduce_impl(impl: str):
+    if impl == "ring":
+        return lambda t: ring_all_reduce(t)
+    if impl in ("torch", "gloo", "nccl"):  # the backend's own all_reduce
+        return lambda t: dist.all_reduce(t)
+    raise ValueError(f"impl must be 'ring' or 'torch', got {impl!r}")
+
+
+def measure_collective(nbytes: int, impl: str = "ring", iters: int = 5, warmup: int = 1,
+                       device: str | torch.device = "cpu") -> float:
+    """Seconds per all-reduce of ``nbytes`` (float32), slowest rank, median of ``iters``.
+
+    Call on every rank. A barrier lines the ranks up before each timed call,
+    so each sample is one collective, not the ranks' skew.
+    """
+    fn = _all_reduce_impl(impl)
+    n = max(1, int(nbytes) // 4)
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    samples = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn(x)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            samples.append(dt)
+    samples.sort()
+    mine = torch.tensor([samples[len(samples) // 2]], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the collective ends when its slowest rank does
+    return float(mine)
+
+
+def sweep(sizes: Iterable[int], impls: Sequence[str] = ("ring", "torch"), iters: int = 5,
+          warmup: int = 1) -> list[dict]:
+    """algbw/busbw over message sizes for each implementation; run on every rank.
+
+    Returns rows {"impl", "nbytes", "time_s", "algbw", "busbw"} (bytes/s).
+    """
+    p = dist.get_world_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    rows = []
+    for nbytes in sizes:
+        for impl in impls:
+            t = measure_collective(nbytes, impl, iters=iters, warmup=warmup, device=device)
+            algbw = nbytes / t
+            rows.append({"impl": impl, "nbytes": int(nbytes), "time_s": t, "algbw": algbw,
+                         "busbw": bus_bandwidth(algbw, p, "all_reduce")})
+    return rows
+
+
+def fit_alpha_beta(nbytes: Sequence[float], times: Sequence[float],
+                   world_size: int) -> tuple[float, float]:
+    """Least-squares fit of T = 2(p-1) alpha + 2(p-1)/p N / beta; returns (alpha, beta).
+
+    The fit minimizes *relative* error (each row weighted by 1/T), because the
+    sweep spans five orders of magnitude of T: an unweighted fit would ignore
+    the small messages, which are the only ones that show alpha.
+    """
+    import numpy as np
+
+    if len(nbytes) != len(times) or len(nbytes) < 2:
+        raise ValueError("need at least two (nbytes, time) pairs of equal length")
+    if world_size < 2:
+        raise ValueError("a fit needs world_size >= 2 (one rank sends nothing)")
+    p = world_size
+    N = np.asarray(nbytes, dtype=float)
+    T = np.asarray(times, dtype=float)
+    if (T <= 0).any():
+        raise ValueError("times must be positive")
+    A = np.stack([np.full_like(N, 2 * (p - 1)), 2 * (p - 1) / p * N], axis=1) / T[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones_like(T), rcond=None)
+    alpha = max(float(alpha), 0.0)
+    inv_beta = max(float(inv_beta), 1e-30)
+    return alpha, 1.0 / inv_beta

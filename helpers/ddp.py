@@ -1,0 +1,349 @@
+"""Bucketed data parallelism that overlaps gradient all-reduce with backward.
+
+What
+----
+``BucketedDDP`` does what ``torch.nn.parallel.DistributedDataParallel`` does
+(Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
+
+1. **Same start.** At construction rank 0's parameters and buffers are
+   broadcast, so replicas begin identical whatever each rank's seed was.
+2. **Buckets.** Trainable parameters are grouped into buckets of about
+   ``bucket_cap_mb`` (default 25 MB), in *reverse registration order*: a
+   model's last layers are registered last but get their gradients first in
+   backward, so the first bucket fills first. The first bucket is kept small
+   (``first_bucket_mb``, default 1 MB) so that the first all-reduce starts
+   as early as possible (Li et al. 2020, sec. 3.2.3 and 4.2; DDP's
+   ``bucket_cap_mb`` / first-bucket cap).
+3. **Hooks.** A post-accumulate-grad hook on every parameter fires when that
+   parameter's ``.grad`` is final for this backward. When a bucket's last
+   gradient arrives, its gradients are copied into one flat buffer and the
+   bucket's all-reduce is *launched asynchronously*; autograd keeps computing
+   the earlier layers' gradients meanwhile. That is the overlap.
+4. **In order.** Buckets are launched strictly in bucket order (bucket 2
+   waits for bucket 1 even if it was ready first): collectives must be issued
+   in the same order on every rank or they pair up wrongly and hang.
+5. **End of backward.** A callback queued on the autograd engine runs when
+   backward finishes, before ``loss.backward()`` returns: it launches
+   whatever is left, waits for every bucket, and copies the averaged flat
+   buffers back into ``.grad``. The optimizer then sees averaged gradients,
+   exactly as with DistributedDataParallel.
+
+``no_sync()`` turns the hooks off: gradients just accumulate locally (for
+gradient accumulation, ch. 05); the first backward outside it reduces the
+accumulated sum. Frozen parameters are never bucketed. A parameter that gets
+no gradient in a step is handled like DDP's ``find_unused_parameters=True``
+when that flag is set: after forward, the autograd graph is searched and
+parameters not in it are marked ready at once (so their bucket does not wait
+for a gradient that will never come), and a small all-reduce of "used"
+flags at the end tells every rank which parameters nobody used: those keep
+``.grad = None``, as in DDP. Without the flag such a bucket is launched at
+the end of backward, and the parameter's gradient is the average where zero
+stands for "no gradient" (DDP would raise an error instead).
+
+Cost
+----
+The same bytes as naive DP (one all-reduce of every gradient, ch. 02), plus
+one copy of the gradients into the flat buffers and back, plus an
+``alpha`` per bucket instead of per parameter. What it saves is *idle time*:
+only the last bucket's all-reduce is exposed after backward. Bucket size is
+the knob: small buckets overlap more but pay more latency terms; one giant
+bucket pays one alpha but cannot start until backward ends.
+
+``comm_hook(flat_grad, group) -> torch.futures.Future`` replaces the
+all-reduce of a bucket (DDP's ``register_comm_hook``). The future must
+resolve to the *averaged* flat gradient, same shape. Chapter 16 plugs
+compression in here.
+
+How production differs: DDP's reducer is C++; it makes ``.grad`` a view into
+the bucket (no copy back, ``gradient_as_bucket_view``), rebuilds buckets after
+the first iteration from the order gradients really arrived, supports sparse
+gradients, static graphs and mixed devices, and (with NCCL) runs the
+all-reduce on a separate CUDA stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from helpers.dp import broadcast_parameters, unique_parameters
+from helpers.dp import world_size as _world
+
+__all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook", "MB"]
+
+MB = 1024 * 1024  # DDP's bucket_cap_mb counts binary megabytes
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+
+
+def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
+    """Default comm hook: divide by p, then an asynchronous sum all-reduce.
+
+    Dividing before summing (as DDP's default does) keeps fp16 sums in range.
+    """
+    p = _world(group)
+    if p == 1:
+        return _done(flat_grad)
+    flat_grad.div_(p)
+    work = dist.all_reduce(flat_grad, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def ring_allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
+    """Our ring from ch. 03 as the bucket all-reduce (synchronous, so no overlap)."""
+    from helpers.collectives import ring_all_reduce
+
+    p = _world(group)
+    if p > 1:
+        flat_grad.div_(p)
+        ring_all_reduce(flat_grad, group)
+    return _done(flat_grad)
+
+
+def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: float,
+                   first_bucket_bytes: float | None = None,
+                   dtypes: Sequence | None = None) -> list[list[int]]:
+    """Group parameters (given in registration order) into buckets.
+
+    Walk the parameters from last registered to first (the order backward
+    produces their gradients); add each to the open bucket of its dtype; close
+    that bucket as soon as it holds at least its cap (so a bucket exceeds the
+    cap by at most one parameter, and a parameter larger than the cap gets a
+    bucket of its own). The first bucket of each dtype has cap
+    ``first_bucket_bytes``, later ones ``bucket_cap_bytes``. Buckets of one
+    flat buffer need one dtype, hence one open bucket per dtype.
+
+    Returns lists of parameter indices, buckets in the order they are
+    expected to become ready. Same rule as DDP's
+    ``_compute_bucket_assignment_by_size`` fed the parameters in reverse.
+    """
+    n = len(sizes_bytes)
+    if first_bucket_bytes is None:
+        first_bucket_bytes = bucket_cap_bytes
+    if bucket_cap_bytes < 0 or first_bucket_bytes < 0:
+        raise ValueError(f"bucket caps must be >= 0 bytes, got {bucket_cap_bytes}, "
+                         f"{first_bucket_bytes}")
+    if dtypes is not None and len(dtypes) != n:
+        raise ValueError(f"{len(dtypes)} dtypes for {n} parameters")
+    order = list(range(n - 1, -1, -1))
+    position = {i: k for k, i in enumerate(order)}
+    buckets: list[list[int]] = []
+    open_: dict = {}      # dtype -> [indices, bytes]
+    closed: dict = {}     # dtype -> buckets closed so far
+    for i in order:
+        key = dtypes[i] if dtypes is not None else None
+        b = open_.setdefault(key, [[], 0])
+        b[0].append(i)
+        b[1] += sizes_bytes[i]
+        cap = first_bucket_bytes if closed.get(key, 0) == 0 else bucket_cap_bytes
+        if b[1] >= cap:
+            buckets.append(b[0])
+            closed[key] = closed.get(key, 0) + 1
+            del open_[key]
+    buckets.extend(b[0] for b in open_.values() if b[0])
+    # Ready order = the position of a bucket's first parameter in backward order.
+    return sorted(buckets, key=lambda b: position[b[0]])
+
+
+class BucketedDDP(nn.Module):
+    """Wrap ``module`` for data parallel training; see the module docstring.
+
+    ``ddp = BucketedDDP(model)``; ``loss = ddp(x, y)...; loss.backward()`` ->
+    every ``.grad`` is the average over the group's ranks. ``ddp.timeline`` is
+    the list of {"bucket", "event", "t"} of the last synchronized backward,
+    events "ready" / "launched" / "finished", t from ``time.perf_counter()``.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+                 process_group=None, comm_hook: Callable | None = None,
+                 find_unused_parameters: bool = False):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"BucketedDDP wraps an nn.Module, got {type(module).__name__}")
+        for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a number >= 0 (megabytes), got {v!r}")
+        if comm_hook is not None and not callable(comm_hook):
+            raise TypeError("comm_hook must be callable(flat_grad, group) -> Future")
+        self.module = module
+        self.process_group = process_group
+        self.world_size = _world(process_group)
+        self.comm_hook = comm_hook or allreduce_hook
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.require_backward_grad_sync = True
+        self.timeline: list[dict] = []
+
+        if self.world_size > 1:
+            broadcast_parameters(module, src=0, group=process_group)
+
+        self.params = unique_parameters(module)  # trainable, tied once, registration order
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.buckets: list[list[nn.Parameter]] = [
+            [self.params[i] for i in idx] for idx in assign_buckets(
+                [p.numel() * p.element_size() for p in self.params],
+                bucket_cap_mb * MB, first_bucket_mb * MB, [p.dtype for p in self.params])]
+        self.bucket_of_param: dict[int, int] = {}  # id(param) -> bucket index
+        self._layout: list[list[tuple[nn.Parameter, int, int]]] = []  # (param, start, end)
+        self._flat: list[torch.Tensor] = []
+        for b, bucket in enumerate(self.buckets):
+            offset, layout = 0, []
+            for p in bucket:
+                self.bucket_of_param[id(p)] = b
+                layout.append((p, offset, offset + p.numel()))
+                offset += p.numel()
+            self._layout.append(layout)
+            self._flat.append(torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self._unused: list[nn.Parameter] = []
+        self._in_backward = False
+        self._reset_state()
+
+    # -- forward ---------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if self.find_unused_parameters and torch.is_grad_enabled() \
+                and self.require_backward_grad_sync:
+            self._unused = self._params_not_in_graph(out)
+        return out
+
+    def _params_not_in_graph(self, out) -> list[nn.Parameter]:
+        """Parameters that no path of the autograd graph from ``out`` reaches."""
+        roots, stack = [], [out]
+        while stack:  # tensors inside nested tuples/lists/dicts
+            o = stack.pop()
+            if isinstance(o, torch.Tensor):
+                if o.grad_fn is not None:
+                    roots.append(o.grad_fn)
+            elif isinstance(o, (list, tuple)):
+                stack.extend(o)
+            elif isinstance(o, dict):
+                stack.extend(o.values())
+        seen, found = set(), set()
+        while roots:
+            node = roots.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+            if var is not None:
+                found.add(id(var))
+            roots.extend(nxt for nxt, _ in node.next_functions)
+        return [p for p in self.params if id(p) not in found]
+
+    # -- backward: hooks, launch, finalize -------------------------------
+    def _reset_state(self) -> None:
+        self.pending = [len(b) for b in self.buckets]  # gradients still missing per bucket
+        self.next_bucket = 0                             # first bucket not launched yet
+        self.futures: list = [None] * len(self.buckets)
+        self._locally_used = [True] * len(self.params)
+
+    def record(self, bucket: int, event: str) -> None:
+        self.timeline.append({"bucket": bucket, "event": event, "t": time.perf_counter()})
+
+    def _hook(self, param: nn.Parameter) -> None:
+        # Called by autograd with the *parameter* (not the gradient): read param.grad.
+        if not self.require_backward_grad_sync:
+            return  # inside no_sync(): let gradients accumulate locally
+        if not self._in_backward:
+            self._begin_backward()
+        self.on_grad_ready(param)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._reset_state()
+        self.timeline = []
+        # Runs when the whole backward pass is done, before backward() returns.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        unused, self._unused = self._unused, []
+        for p in unused:  # found after forward: no gradient will come, mark ready now
+            self.on_grad_ready(p)
+
+    def on_grad_ready(self, param: nn.Parameter) -> None:
+        """``param.grad`` is final: count it; launch every bucket that can go."""
+        b = self.bucket_of_param[id(param)]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.record(b, "ready")
+            self.launch_ready_buckets()
+
+    def launch_ready_buckets(self) -> None:
+        """Launch complete buckets in bucket order, stopping at the first incomplete one."""
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
+
+    def _launch(self, b: int) -> None:
+        flat = self._flat[b]
+        for p, start, end in self._layout[b]:
+            if p.grad is None:  # no gradient on this rank this step: contributes zero
+                self._locally_used[self._index[id(p)]] = False
+                flat[start:end].zero_()
+            else:
+                flat[start:end].copy_(p.grad.reshape(-1))
+        self.record(b, "launched")
+        fut = self.comm_hook(flat, self.process_group)
+
+        def finished(f, b=b):
+            self.record(b, "finished")  # runs on the communication thread when it completes
+            return f.value()
+
+        self.futures[b] = fut.then(finished)
+
+    def _finalize(self) -> None:
+        try:
+            for b in range(self.next_bucket, len(self.buckets)):
+                if self.pending[b] > 0:  # a parameter without gradient held this bucket back
+                    self.record(b, "ready")
+                self.pending[b] = 0
+            self.launch_ready_buckets()
+            used_work = None
+            if self.find_unused_parameters and self.world_size > 1:
+                used = torch.tensor(self._locally_used, dtype=torch.int32,
+                                    device=self._flat[0].device if self._flat else "cpu")
+                used_work = (used, dist.all_reduce(used, group=self.process_group,
+                                                   async_op=True))
+            results = [f.wait() for f in self.futures]
+            if used_work is not None:
+                used_work[1].wait()
+                globally_used = used_work[0].tolist()
+            else:
+                globally_used = self._locally_used if self.find_unused_parameters else None
+            with torch.no_grad():
+                for b, layout in enumerate(self._layout):
+                    avg = results[b]
+                    for p, start, end in layout:
+                        g = avg[start:end].view_as(p)
+                        if p.grad is not None:
+                            p.grad.copy_(g)
+                        elif globally_used is None or globally_used[self._index[id(p)]]:
+                            p.grad = g.clone()
+                        # else: nobody used it -> keep None, as DDP does
+        finally:
+            self._in_backward = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next backward outside reduces the sum."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

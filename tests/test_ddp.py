@@ -1,0 +1,222 @@
+"""BucketedDDP vs torch DistributedDataParallel and vs a single process."""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from helpers import launch, rank_info
+from helpers.data import make_dataset
+from helpers.ddp import MB, BucketedDDP, assign_buckets, ring_allreduce_hook
+from helpers.model import build_model
+
+
+# ---------------------------------------------------------------- pure parts
+def test_assign_buckets_matches_torch_reducer_rule():
+    """Same grouping as DDP's C++ rule fed the parameters in reverse order."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 25)
+        ts = [torch.empty(rng.choice([1, 10, 100, 1000, 5000])) for _ in range(n)]
+        cap, first = rng.choice([100, 4000, 20000]), rng.choice([10, 400, 20000])
+        rev = list(range(n - 1, -1, -1))
+        theirs, _ = dist._compute_bucket_assignment_by_size(
+            [ts[i] for i in rev], [first, cap], [False] * n, rev)
+        ours = assign_buckets([t.numel() * t.element_size() for t in ts], cap, first)
+        assert ours == [list(b) for b in theirs]
+
+
+def test_assign_buckets_reverse_order_small_first_bucket_and_dtypes():
+    sizes = [400] * 6  # bytes, registration order 0..5
+    assert assign_buckets(sizes, 800, 400) == [[5], [4, 3], [2, 1], [0]]
+    assert assign_buckets(sizes, 10_000, 10_000) == [[5, 4, 3, 2, 1, 0]]  # one bucket
+    assert assign_buckets(sizes, 0, 0) == [[5], [4], [3], [2], [1], [0]]  # one per parameter
+    # a parameter larger than the cap gets its own bucket; one open bucket per dtype
+    assert assign_buckets([10, 5000, 10], 100, 100) == [[2, 1], [0]]
+    f32, f16 = torch.float32, torch.float16
+    assert assign_buckets([8, 8, 8, 8], 16, 16, [f32, f16, f32, f16]) == [[3, 1], [2, 0]]
+    with pytest.raises(ValueError):
+        assign_buckets([1], -1)
+
+
+def test_bad_arguments_raise_before_any_communication():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        BucketedDDP(model, bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match="first_bucket_mb"):
+        BucketedDDP(model, first_bucket_mb="1")
+    with pytest.raises(TypeError):
+        BucketedDDP(lambda x: x)
+    with pytest.raises(TypeError):
+        BucketedDDP(model, comm_hook=3)
+
+
+def test_world_size_one_is_the_plain_module():
+    assert not dist.is_initialized()
+    model = build_model("toy", seed=3)
+    ref = copy.deepcopy(model)
+    ddp = BucketedDDP(model, bucket_cap_mb=0.01)
+    x = torch.randint(0, 64, (2, 8))
+    ddp(x, x)[1].backward()
+    ref(x, x)[1].backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert {e["event"] for e in ddp.timeline} == {"ready", "launched", "finished"}
+
+
+# ------------------------------------------------------------- multi-rank
+class _Awkward(nn.Module):
+    """The toy GPT (tied embedding/head) plus a frozen and an unused layer."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.gpt = build_model("toy", seed=seed)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(4, 4)  # registered last: lands in the first bucket
+
+    def forward(self, x, y):
+        logits, _ = self.gpt(x)
+        logits = logits + 0.01 * self.frozen(self.gpt.wte.weight).sum()  # frozen but in the graph
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+_DATA = None
+
+
+def _batch(step, rank, micro=2):
+    global _DATA
+    if _DATA is None:
+        _DATA = make_dataset(seq_len=16, num_sequences=64)
+    return _DATA.batch(range(step * 8 + rank * micro, step * 8 + (rank + 1) * micro))
+
+
+def _vs_torch_ddp():
+    """Same grads as DistributedDataParallel, 2 steps, several configurations."""
+    r = rank_info().rank
+    report = {}
+    for name, kw in [("find_unused", dict(find_unused_parameters=True)),
+                     ("ring_hook", dict(find_unused_parameters=True,
+                                        comm_hook=ring_allreduce_hook)),
+                     ("no_find", dict())]:
+        torch.manual_seed(100 + r)
+        model = _Awkward(seed=100 + r)        # different weights on every rank ...
+        ref_model = copy.deepcopy(model)
+        ours = BucketedDDP(model, bucket_cap_mb=0.02, first_bucket_mb=0.005, **kw)
+        theirs = torch.nn.parallel.DistributedDataParallel(
+            ref_model, bucket_cap_mb=0.02, find_unused_parameters=True)
+        same_start = all(torch.equal(a, b) for a, b in
+                         zip(model.state_dict().values(), ref_model.state_dict().values()))
+        w0 = model.gpt.wte.weight.detach().clone()  # ... until the broadcast: rank 0's
+        diffs, nones = [], []
+        for step in range(2):
+            x, y = _batch(step, r)
+            ours(x, y).backward()
+            theirs(x, y).backward()
+            for (n, a), (_, b) in zip(model.named_parameters(), ref_model.named_parameters()):
+                if a.grad is None or b.grad is None:
+                    nones.append((n, a.grad is None, b.grad is None))
+                else:
+                    diffs.append(float((a.grad - b.grad).abs().max()))
+            model.zero_grad(set_to_none=True)
+            ref_model.zero_grad(set_to_none=True)
+        report[name] = dict(same_start=same_start, w0=w0, max_diff=max(diffs), nones=nones,
+                            n_buckets=len(ours.buckets), timeline=ours.timeline)
+    return report
+
+
+@pytest.mark.slow
+def test_same_gradients_as_torch_ddp_with_tied_frozen_unused_and_per_rank_seeds():
+    reports = launch(_vs_torch_ddp, 2, seed_per_rank=True)
+    for rank, report in enumerate(reports):
+        fu, ring, nofind = report["find_unused"], report["ring_hook"], report["no_find"]
+        for rep in (fu, ring, nofind):
+            assert rep["same_start"]
+            assert rep["n_buckets"] >= 4
+            # identical bucket order and op order as DDP: bitwise equal with gloo
+            # (ring hook: different summation order, ~1 ulp)
+        assert fu["max_diff"] == 0.0
+        assert ring["max_diff"] < 1e-6
+        assert nofind["max_diff"] == 0.0
+        # frozen: no grad anywhere; unused: None in both with find_unused (DDP's behaviour)
+        names = {n for n, a_none, b_none in fu["nones"] if a_none and b_none}
+        assert names == {"frozen.weight", "frozen.bias", "unused.weight", "unused.bias"}
+        assert all(a and b for _, a, b in fu["nones"])
+        # without find_unused, an unused parameter gets a zero (averaged) gradient
+        assert {n for n, a, _ in nofind["nones"] if not a} == {"unused.weight", "unused.bias"}
+    # the broadcast made every rank start from rank 0's weights, though seeds differed
+    assert torch.equal(reports[0]["find_unused"]["w0"], reports[1]["find_unused"]["w0"])
+    assert not torch.equal(build_model("toy", seed=100).wte.weight,
+                           build_model("toy", seed=101).wte.weight)
+    # timeline: each bucket ready <= launched <= finished, launched in bucket order
+    tl = reports[0]["find_unused"]["timeline"]
+    n = reports[0]["find_unused"]["n_buckets"]
+    t = {(e["bucket"], e["event"]): e["t"] for e in tl}
+    assert len(t) == 3 * n
+    for b in range(n):
+        assert t[b, "ready"] <= t[b, "launched"] <= t[b, "finished"]
+    launched = [e["bucket"] for e in tl if e["event"] == "launched"]
+    assert launched == list(range(n))
+    # overlap: the first bucket went out before the last one was ready
+    assert t[0, "launched"] < t[n - 1, "ready"]
+
+
+STEPS = 3
+
+
+def _train_bucketed(accum):
+    """3 SGD steps; global batch of 8 = 2 ranks x (micro-batch x accum)."""
+    r, p = rank_info().rank, rank_info().world_size
+    model = BucketedDDP(build_model("toy", seed=11 + r), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    calls = []
+    per_rank = 8 // p
+    micro = per_rank // accum
+    for step in range(STEPS):
+        x, y = _batch(step, r, micro=per_rank)
+        opt.zero_grad()
+        launched_before = 0
+        for i in range(accum):
+            ctx = model.no_sync() if i < accum - 1 else _null()
+            with ctx:
+                sl = slice(i * micro, (i + 1) * micro)
+                (model(x[sl], y[sl])[1] / accum).backward()
+        calls.append(sum(e["event"] == "launched" for e in model.timeline) - launched_before)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, calls, \
+        len(model.buckets)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _reference_global_batch():
+    model = build_model("toy", seed=11)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _batch(step, 0, micro=8)
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_training_equals_single_process_and_no_sync_accumulation():
+    ref = _reference_global_batch()
+    for accum in (1, 2):
+        results = launch(_train_bucketed, 2, accum, seed_per_rank=True)
+        for state, calls, n_buckets in results:
+            assert calls == [n_buckets] * STEPS  # no_sync: one reduction per step, not accum
+            for k in ref:
+                # fp32 reduction order differs from one process: ~1e-7, x 3 momentum steps
+                torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+        assert all(torch.equal(results[0][0][k], results[1][0][k]) for k in ref)
