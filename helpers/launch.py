@@ -306,6 +306,11 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int,
     import torch
     import torch.distributed as dist
 
+    if "OMP_NUM_THREADS" not in os.environ:
+        # N ranks on C cores: C // N intra-op threads each, as torchrun does with
+        # OMP_NUM_THREADS. More threads than cores makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
     global _RANK_INFO
     device = "cpu"
     if backend == "nccl":
