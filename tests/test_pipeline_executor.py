@@ -1,0 +1,148 @@
+"""The executor on real ranks equals the unsplit model, for every schedule, on 2-4
+stages; its measured stash equals the simulator's. One launch per world size
+runs all the cases (ranks are pooled, so each launch after the first is cheap)."""
+
+import pytest
+import torch
+
+from helpers import launch, rank_info
+from helpers.model import build_model
+from helpers.pipeline import gpipe, interleaved_1f1b, one_f_one_b, simulate
+from helpers.pipeline.executor import (chunk_grads, pipeline_step, reference_grads,
+                                       split_model)
+
+N_LAYER, BATCH, SEQ = 4, 12, 16
+
+
+def _batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 64, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, 64, (BATCH, SEQ), generator=g)
+    return x, y
+
+
+def _cases(p):
+    cases = [(gpipe(p, m), 1) for m in (1, p, 12)] + [(one_f_one_b(p, m), 1) for m in (2, 4, 6)]
+    if 2 * p <= N_LAYER:
+        cases += [(interleaved_1f1b(p, p * k, 2), 2) for k in (1, 2)]
+    return cases
+
+
+def _run_cases(cases):
+    """Rank function: each case from a fresh copy of the same model."""
+    info = rank_info()
+    torch.set_num_threads(1)  # tiny ops; 4 ranks share 2 cores
+    x, y = _batch()
+    out = []
+    for sched, v in cases:
+        chunks = split_model(build_model("toy", n_layer=N_LAYER), info.world_size, v)[info.rank]
+        res = pipeline_step(chunks, sched, x, y)
+        assert len(res.timeline) == len(sched[info.rank])
+        out.append((res.loss, chunk_grads(chunks), res.peak_stash, res.messages_sent))
+    return out
+
+
+def _train_two_steps(schedule_name):
+    """Two SGD steps through the pipeline; returns this rank's final weights."""
+    info = rank_info()
+    torch.set_num_threads(1)
+    p = info.world_size
+    chunks = split_model(build_model("toy", n_layer=N_LAYER), p)[info.rank]
+    params = [q for c in chunks for q in c.parameters()]
+    opt = torch.optim.SGD(params, lr=0.5)
+    sched = {"gpipe": gpipe, "1f1b": one_f_one_b}[schedule_name](p, 4)
+    losses = []
+    for step in range(2):
+        x, y = _batch(seed=10 + step)
+        opt.zero_grad(set_to_none=False)
+        for q in params:  # .grad must exist (zeros) before the step accumulates into it
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        losses.append(pipeline_step(chunks, sched, x, y).loss)
+        opt.step()
+    weights = {}
+    for c in chunks:
+        names = c.global_names()
+        weights.update({names[n]: q.detach().clone() for n, q in c.named_parameters()})
+    return losses, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [4, 3, 2])  # 2 last: the next test reuses its ranks
+def test_pipeline_equals_unsplit_model(p):
+    cases = _cases(p)
+    results = launch(_run_cases, p, cases, backend="gloo", timeout=120)
+    x, y = _batch()
+    ref_loss, ref = reference_grads(build_model("toy", n_layer=N_LAYER), x, y)
+    for i, (sched, v) in enumerate(cases):
+        grads = {}
+        for r in range(p):
+            grads.update(results[r][i][1])
+        assert set(grads) == set(ref)
+        # the loss is the mean of per-micro-batch means; equal sizes make it the batch
+        # mean, but the sum order differs: float32 rounding, hence the tolerance
+        assert results[-1][i][0] == pytest.approx(ref_loss, rel=1e-6)
+        assert all(results[r][i][0] is None for r in range(p - 1))
+        for name, g in ref.items():
+            # accumulation over micro-batches reorders float32 sums: ~1e-8 absolute
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+        assert [results[r][i][2] for r in range(p)] == simulate(sched).peak_stash
+        # every stage boundary carries one activation forward and one gradient back
+        m = len(sched[0]) // (2 * v)
+        assert sum(results[r][i][3] for r in range(p)) == 2 * m * (p * v - 1)
+
+
+@pytest.mark.slow
+def test_training_steps_match_single_process():
+    results = launch(_train_two_steps, 2, "1f1b", backend="gloo", timeout=120)
+    model = build_model("toy", n_layer=N_LAYER)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_losses = []
+    for step in range(2):
+        x, y = _batch(seed=10 + step)
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    assert results[1][0] == pytest.approx(ref_losses, rel=1e-6)
+    weights = {**results[0][1], **results[1][1]}
+    for name, w in model.named_parameters():
+        torch.testing.assert_close(weights[name], w.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    # both copies of the tied weight stayed equal
+    torch.testing.assert_close(results[0][1]["wte.weight"], results[1][1]["wte.weight"])
+
+
+def test_world_size_one_without_process_group():
+    # p = 1, v = 2: both chunks on one rank; messages between them stay local
+    model = build_model("toy", n_layer=N_LAYER)
+    chunks = split_model(model, 1, 2)[0]
+    x, y = _batch()
+    res = pipeline_step(chunks, interleaved_1f1b(1, 4, 2), x, y)
+    ref_loss, ref = reference_grads(build_model("toy", n_layer=N_LAYER), x, y)
+    assert res.loss == pytest.approx(ref_loss, rel=1e-6)
+    grads = chunk_grads(chunks)
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    assert res.messages_sent == 0
+
+
+def test_errors_before_any_rank_starts():
+    model = build_model("toy", n_layer=2)
+    with pytest.raises(ValueError, match="2 transformer block.*4 stages x 1 chunk"):
+        split_model(model, 4)
+    with pytest.raises(ValueError, match="2 stages x 2 chunk"):
+        split_model(build_model("toy", n_layer=3), 2, 2)
+    chunks = split_model(model, 1)[0]
+    x, y = _batch()
+    with pytest.raises(ValueError, match="not divisible by 5 micro-batches"):
+        pipeline_step(chunks, gpipe(1, 5), x, y)
+    with pytest.raises(ValueError, match="holds 1 chunk"):
+        pipeline_step(chunks, interleaved_1f1b(1, 2, 2), x, y)
+    # a schedule that would hang is refused before any message is sent
+    from helpers.pipeline import B, F
+    reversed_warmup = [[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]]
+    with pytest.raises(ValueError, match="deadlocks: rank 0 at B0 waits for B0 on rank 1"):
+        pipeline_step(split_model(model, 2)[0], reversed_warmup, x, y)
+    with pytest.raises(ValueError, match="before its forward"):
+        pipeline_step(chunks, [[B(0), F(0)]], x, y)

@@ -1,0 +1,206 @@
+"""Schedules, simulator and partition: pure functions, no process group."""
+
+import itertools
+
+import pytest
+
+from helpers.pipeline import (Action, B, F, ScheduleDeadlock, bubble_formula, format_schedule,
+                              gpipe, interleaved_1f1b, one_f_one_b, partition, peak_stash,
+                              simulate, stage_costs, validate_schedule)
+from helpers.pipeline.schedules import schedule_shape
+
+GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
+GRID_INTERLEAVED = [(p, m, v) for p in range(1, 6) for v in range(1, 5)
+                    for m in range(p, 5 * p + 1, p)]
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_every_action_once_and_no_deadlock(make):
+    for p, m in GRID:
+        sched = make(p, m)
+        validate_schedule(sched)  # raises if an action is missing, repeated or deadlocks
+        assert schedule_shape(sched) == (p, m, 1)
+        for row in sched:
+            assert sorted(row) == sorted([F(j) for j in range(m)] + [B(j) for j in range(m)])
+
+
+def test_interleaved_every_action_once_and_no_deadlock():
+    for p, m, v in GRID_INTERLEAVED:
+        sched = interleaved_1f1b(p, m, v)
+        validate_schedule(sched)
+        assert schedule_shape(sched) == (p, m, v)
+        assert all(len(row) == 2 * m * v for row in sched)
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_bubble_closed_form(make):
+    # Huang et al. 2019 sec. 2.2 / Narayanan et al. 2021 sec. 3.1: with t_b = 2 t_f,
+    # balanced stages and free communication, idle / total = (p-1) / (m+p-1). Exact
+    # up to float rounding of sums of small integers.
+    for p, m in GRID:
+        sim = simulate(make(p, m), t_forward=1.0, t_backward=2.0)
+        assert sim.bubble_fraction == pytest.approx(bubble_formula(p, m), abs=1e-12)
+        assert sim.total_time == pytest.approx(3.0 * (m + p - 1))
+
+
+def test_interleaved_bubble_closed_form():
+    # Narayanan et al. 2021 (SC21) sec. 2.2.2: bubble shrinks by v: (p-1) / (v*m + p-1)
+    for p, m, v in GRID_INTERLEAVED:
+        sim = simulate(interleaved_1f1b(p, m, v), t_forward=1.0, t_backward=2.0)
+        assert sim.bubble_fraction == pytest.approx(bubble_formula(p, m, v), abs=1e-12), (p, m, v)
+
+
+def test_bubble_scales_with_time_unit():
+    sim = simulate(one_f_one_b(4, 8), t_forward=0.25, t_backward=0.5)
+    assert sim.bubble_fraction == pytest.approx(bubble_formula(4, 8))
+    assert sim.total_time == pytest.approx(0.75 * 11)
+
+
+def test_peak_stash_closed_forms():
+    for p, m in GRID:
+        assert simulate(gpipe(p, m)).peak_stash == [m] * p
+        assert simulate(one_f_one_b(p, m)).peak_stash == [min(p - i, m) for i in range(p)]
+    # interleaving stashes more chunk-activations (each 1/v of a stage's layers)
+    for p, m, v in GRID_INTERLEAVED:
+        stash = peak_stash(interleaved_1f1b(p, m, v))
+        if v > 1:  # rank 0 holds its warm-up forwards plus one (Megatron's warm-up count)
+            assert stash[0] == min((p - 1) * 2 + (v - 1) * p + 1, m * v)
+        assert stash == sorted(stash, reverse=True)
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b(2, 3) == [[F(0), F(1), B(0), F(2), B(1), B(2)],
+                                 [F(0), B(0), F(1), B(1), F(2), B(2)]]
+    assert gpipe(2, 2) == [[F(0), F(1), B(0), B(1)]] * 2
+    # fewer micro-batches than stages: the warm-up is capped at m
+    assert one_f_one_b(4, 1) == [[F(0), B(0)]] * 4
+    assert interleaved_1f1b(3, 6, 1) == one_f_one_b(3, 6)
+
+
+def test_interleaved_order_matches_megatron_layout():
+    sched = interleaved_1f1b(2, 4, 2)
+    # forwards of rank 0: micro-batches 0-1 on chunk 0, the same on chunk 1, then 2-3 ...
+    fwd = [a for a in sched[0] if a.kind == "F"]
+    assert fwd == [F(0), F(1), F(0, 1), F(1, 1), F(2), F(3), F(2, 1), F(3, 1)]
+    bwd = [a for a in sched[0] if a.kind == "B"]
+    assert bwd == [B(0, 1), B(1, 1), B(0), B(1), B(2, 1), B(3, 1), B(2), B(3)]
+
+
+def test_communication_latency_adds_to_every_hop():
+    p, m = 3, 4
+    sim = simulate(gpipe(p, m), 1.0, 2.0, t_comm=0.5)
+    # GPipe's critical path crosses p-1 links in the fill and p-1 in the drain
+    assert sim.total_time == pytest.approx(3.0 * (m + p - 1) + 2 * (p - 1) * 0.5)
+    # 1F1B also waits for round trips in its steady phase, so it suffers at least as much
+    sim_1f1b = simulate(one_f_one_b(p, m), 1.0, 2.0, t_comm=0.5)
+    assert sim_1f1b.total_time >= sim.total_time
+    assert sim_1f1b.bubble_fraction > bubble_formula(p, m)
+
+
+def test_imbalanced_stages_set_the_pace():
+    # a stage twice as slow as the others: steady state runs at its pace
+    sim = simulate(one_f_one_b(3, 12), t_forward=[1, 2, 1], t_backward=[2, 4, 2])
+    assert sim.total_time >= 12 * 6
+    balanced = simulate(one_f_one_b(3, 12), t_forward=4 / 3, t_backward=8 / 3)
+    assert sim.total_time > balanced.total_time
+
+
+def test_intervals_respect_dependencies():
+    p, m, v = 3, 6, 2
+    sim = simulate(interleaved_1f1b(p, m, v), 1.0, 2.0)
+    end = {(r, a): e for r, row in enumerate(sim.intervals) for _, e, a in row}
+    for r, row in enumerate(sim.intervals):
+        for (s0, e0, _), (s1, _, _) in zip(row, row[1:]):
+            assert s1 >= e0 - 1e-12  # one action at a time
+        for s, _, a in row:
+            stage = a.chunk * p + r
+            if a.kind == "F" and stage > 0:
+                prev = stage - 1
+                assert s >= end[(prev % p, F(a.microbatch, prev // p))] - 1e-12
+            if a.kind == "B" and stage < p * v - 1:
+                nxt = stage + 1
+                assert s >= end[(nxt % p, B(a.microbatch, nxt // p))] - 1e-12
+
+
+def test_deadlock_is_detected_and_named():
+    # warm-up counts reversed (rank r warms up r forwards): rank 0 waits for B0 that
+    # rank 1 reaches only after F1, which rank 0 runs only after B0
+    p, m = 2, 3
+    bad = [[F(j) for j in range(r)] + [a for k in range(m - r) for a in (F(k + r), B(k))]
+           + [B(j) for j in range(m - r, m)] for r in range(p)]
+    with pytest.raises(ScheduleDeadlock, match="rank 0 at B0 waits for B0 on rank 1"):
+        simulate(bad)
+    assert issubclass(ScheduleDeadlock, ValueError)
+
+
+def test_invalid_schedules_are_rejected():
+    with pytest.raises(ValueError, match="missing"):
+        validate_schedule([[F(0), B(0)], [F(0)]])
+    with pytest.raises(ValueError, match="repeated"):
+        validate_schedule([[F(0), F(0), B(0)]], num_microbatches=1)
+    with pytest.raises(ValueError, match="before its forward"):
+        validate_schedule([[B(0), F(0)]])
+    with pytest.raises(ValueError, match="kind"):
+        validate_schedule([[("X", 0)]])
+    with pytest.raises(ValueError, match="list"):
+        validate_schedule([])
+    # tuples are accepted and normalized
+    assert validate_schedule([[("F", 0), ("B", 0)]]) == [[Action("F", 0), Action("B", 0)]]
+
+
+def test_bad_arguments_name_the_constraint():
+    with pytest.raises(ValueError, match="multiple of num_stages"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        one_f_one_b(0, 4)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        gpipe(2, 0)
+    with pytest.raises(ValueError, match="num_chunks"):
+        interleaved_1f1b(2, 4, 0)
+    with pytest.raises(ValueError, match="3 entries for 2 ranks"):
+        simulate(gpipe(2, 2), t_forward=[1, 1, 1])
+
+
+def test_format_schedule():
+    assert format_schedule(one_f_one_b(2, 2)) == ("rank 0 | F0   F1   B0   B1\n"
+                                                 "rank 1 | F0   B0   F1   B1")
+    assert repr(F(3, 1)) == "F3.1" and repr(B(2)) == "B2"
+
+
+def _brute_force_best(costs, k):
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(edges, edges[1:])))
+    return best
+
+
+def test_partition_is_optimal_and_contiguous():
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0.5, 1, 1, 2, 3, 5]) for _ in range(n)]
+        bounds = partition(costs, k)
+        assert len(bounds) == k and all(len(r) > 0 for r in bounds)
+        assert [i for r in bounds for i in r] == list(range(n))
+        assert max(stage_costs(costs, bounds)) == pytest.approx(_brute_force_best(costs, k))
+
+
+def test_partition_by_count():
+    assert partition(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [len(r) for r in partition(7, 3)] in ([3, 2, 2], [2, 3, 2], [2, 2, 3], [3, 3, 1])
+    assert max(len(r) for r in partition(7, 3)) == 3
+    assert partition([1, 1, 1, 5], 2) == [range(0, 3), range(3, 4)]
+    assert partition(3, 1) == [range(0, 3)]
+
+
+def test_partition_errors():
+    with pytest.raises(ValueError, match="cannot split 3 layer.*4 stages"):
+        partition(3, 4)
+    with pytest.raises(ValueError, match="num_stages"):
+        partition(3, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        partition([1, -1], 2)
