@@ -80,7 +80,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: Sequence, loss_fn: Cal
         with ctx:
             loss = loss_fn(model, batch) / k
             loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total
 
 

@@ -29,9 +29,9 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
    buffers back into ``.grad``. The optimizer then sees averaged gradients,
    exactly as with DistributedDataParallel.
 
-``no_sync()`` turns the hooks off: gradients just accumulate locally (for
-gradient accumulation, ch. 05); the first backward outside it reduces the
-accumulated sum. Frozen parameters are never bucketed. A parameter that gets
+``no_sync()`` turns the hooks off for forwards run inside it: gradients
+just accumulate locally (for gradient accumulation, ch. 05); the backward of
+the first forward outside it reduces the accumulated sum. Frozen parameters are never bucketed. A parameter that gets
 no gradient in a step is handled like DDP's ``find_unused_parameters=True``
 when that flag is set: after forward, the autograd graph is searched and
 parameters not in it are marked ready at once (so their bucket does not wait
@@ -207,14 +207,18 @@ class BucketedDDP(nn.Module):
             self._flat.append(torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self._unused: list[nn.Parameter] = []
+        self._expect_hooks = False
         self._in_backward = False
         self._reset_state()
 
     # -- forward ---------------------------------------------------------
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
-        if self.find_unused_parameters and torch.is_grad_enabled() \
-                and self.require_backward_grad_sync:
+        # As in DDP, the decision to reduce is taken here, at forward time: a
+        # backward through a forward run inside no_sync() (or through the bare
+        # module, bypassing this wrapper) leaves gradients local.
+        self._expect_hooks = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._expect_hooks and self.find_unused_parameters:
             self._unused = self._params_not_in_graph(out)
         return out
 
@@ -254,8 +258,8 @@ class BucketedDDP(nn.Module):
 
     def _hook(self, param: nn.Parameter) -> None:
         # Called by autograd with the *parameter* (not the gradient): read param.grad.
-        if not self.require_backward_grad_sync:
-            return  # inside no_sync(): let gradients accumulate locally
+        if not self._expect_hooks:
+            return  # forward ran inside no_sync() (or not through us): accumulate locally
         if not self._in_backward:
             self._begin_backward()
         self.on_grad_ready(param)
@@ -332,10 +336,12 @@ class BucketedDDP(nn.Module):
                         # else: nobody used it -> keep None, as DDP does
         finally:
             self._in_backward = False
+            self._expect_hooks = False  # the next reduction needs a new forward
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally; the next backward outside reduces the sum."""
+        """Forwards run inside accumulate gradients locally; the first backward of a
+        forward run outside reduces the accumulated sum (DDP's semantics)."""
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
