@@ -1,0 +1,584 @@
+"""ZeRO: shard the optimizer state, then the gradients, then the weights.
+
+Plain data parallelism (DP) keeps a full copy of the *model state* on every
+rank: weights, gradients and Adam's state. With mixed precision that is 16
+bytes per parameter (2 bf16 weights + 2 bf16 grads + 12 for the fp32 master
+copy and the two Adam moments), and N_d ranks hold N_d identical copies.
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", sec. 5) removes the copies one part at a time:
+
+    stage 0 (DP)  every rank: all 16 bytes/param           16 Psi
+    stage 1       optimizer state sharded (P_os)            4 Psi + 12 Psi / N_d
+    stage 2       + gradients sharded     (P_os+g)          2 Psi + 14 Psi / N_d
+    stage 3       + weights sharded       (P_os+g+p)        16 Psi / N_d
+
+(sec. 5.1, Figure 1; ``helpers.memory.model_state_bytes`` is the formula and
+``ZeroOptimizer.state_bytes()`` measures the tensors this module really holds.)
+
+How each stage works here
+-------------------------
+All trainable parameters are laid out in **flat buffers**. The buffer is cut
+into buckets (stage 0-2: by size, in reverse registration order, about the
+order backward produces gradients; stage 3: one bucket per module that owns
+parameters). Each bucket is padded to a multiple of N_d so it splits into N_d
+equal chunks, and rank r owns chunk r of every bucket. Padding is zeros and
+stays zero under AdamW; it costs at most N_d - 1 elements per bucket.
+
+* stage 0: gradients all-reduced (averaged), every rank runs AdamW on all of
+  it. This is DP, kept for comparison.
+* stage 1: every rank still computes the full gradient. ``step()``
+  reduce-scatters it (rank r receives the average of chunk r), updates its
+  chunk of the fp32 master weights with Adam moments it alone holds, then
+  all-gathers the updated chunks so every rank has the new full weights.
+  Reduce-scatter + all-gather move the same bytes as one all-reduce
+  (sec. 7.2.1), so stage 1 is free in communication.
+* stage 2: the same, but each bucket is reduce-scattered *during backward*,
+  as soon as its gradients exist (like DDP's buckets), and the full-size
+  gradients are dropped right after: a rank keeps only its gradient chunk.
+* stage 3: a rank keeps only its chunk of the weights too. A forward
+  pre-hook on each module all-gathers that module's parameters just before it
+  runs, a forward hook frees them after; a hook on the module's output
+  gathers them again when backward reaches the module, and once all of the
+  module's gradients have been accumulated they are reduce-scattered and the
+  parameters freed. Each parameter is gathered twice per step and its
+  gradient reduce-scattered once: 1.5x DP's volume (sec. 7.2.2).
+
+"Freeing" keeps the parameter tensors (autograd saved them, some as views)
+and shrinks their shared storage to 0 bytes; gathering grows it back and
+fills it. That is how PyTorch's first FSDP did it.
+
+Precision: ``precision="fp32"`` (default) keeps weights, gradients and
+moments in fp32 with no separate master copy (8 optimizer bytes/param), so a
+run can be compared with ``torch.optim.AdamW`` exactly. ``"bf16"`` or
+``"fp16"`` is the paper's setting: 16-bit working weights and gradients
+(also communicated in 16 bits), fp32 master weights and moments (12
+bytes/param). There is no loss scaling here; fp16 in production needs it.
+
+``comm_bytes()`` counts, per collective, the bytes one rank *sends* in the
+last step under the ring algorithm's cost (reduce-scatter or all-gather of B
+bytes: (N-1)/N * B; all-reduce: 2 (N-1)/N * B; Patarasuk & Yuan 2009). Gloo
+does not report what it sends; the tensor sizes are real, the algorithm is
+the model.
+
+How production differs: DeepSpeed's ZeRO adds gradient accumulation across
+micro-batches, CPU/NVMe offload, contiguous memory defragmentation, a
+parameter *prefetch* queue for stage 3 (chapter 15 adds prefetch to our
+FSDP), dynamic loss scaling, and per-parameter-group hyperparameters. Here
+weight decay applies to every parameter, as ``torch.optim.AdamW(model.parameters())``
+does, and frozen parameters are left alone (replicated, never sharded). A
+trainable parameter that got no gradient in a step is updated as if its
+gradient were zero (its weight decay still applies), as DDP with
+``find_unused_parameters`` would; ``torch.optim`` skips such a parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from helpers.memory import ModelStateBytes
+
+__all__ = ["ZeroOptimizer", "FlatPartition", "Bucket", "size_buckets", "ring_bytes_sent",
+           "adamw_update", "reduce_scatter", "all_gather", "PRECISIONS"]
+
+# torch >= 2.11 renamed the flat collectives; older releases have only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reduce_scatter(output, input, group=None, async_op=False):
+    """Sum ``input`` (N * k elements) over the group; rank r gets elements [r k, (r+1) k)."""
+    return _reduce_scatter(output, input, group=group, async_op=async_op)
+
+
+def all_gather(output, input, group=None, async_op=False):
+    """Concatenate every rank's ``input`` (k elements) in rank order into ``output`` (N k)."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def ring_bytes_sent(op: str, nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends for a collective on a buffer of ``nbytes`` (ring algorithm).
+
+    ``nbytes`` is the full buffer: the input of a reduce-scatter, the output
+    of an all-gather, the tensor of an all-reduce (Patarasuk & Yuan 2009).
+    """
+    if world_size == 1:
+        return 0.0
+    share = (world_size - 1) / world_size * nbytes
+    if op == "all_reduce":
+        return 2 * share
+    if op in ("reduce_scatter", "all_gather", "broadcast"):
+        return share
+    raise ValueError(f"unknown collective {op!r}")
+
+
+# --------------------------------------------------------------------------
+# The partition: pure bookkeeping, no process group needed (unit-tested alone).
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    params: tuple[int, ...]   # indices into the managed parameter list
+    offsets: tuple[int, ...]  # where each parameter starts inside the bucket
+    numel: int                # sum of the parameters' sizes
+    padded: int               # numel rounded up to a multiple of world_size
+    start: int                # where the bucket starts in the full flat buffer
+    shard_start: int          # where this bucket's chunk starts in a rank's shard
+    world_size: int
+
+    @property
+    def chunk(self) -> int:
+        """Elements of this bucket each rank owns."""
+        return self.padded // self.world_size
+
+
+class FlatPartition:
+    """Buckets of parameters in one flat buffer, each padded to split N ways.
+
+    ``numels[i]`` is the size of parameter i; ``groups`` lists which
+    parameters share a bucket (every index exactly once). Rank r owns chunk r
+    of every bucket; its shard is those chunks back to back.
+    """
+
+    def __init__(self, numels: list[int], world_size: int, groups: list[list[int]]):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        seen = sorted(i for g in groups for i in g)
+        if seen != list(range(len(numels))):
+            raise ValueError("groups must list every parameter index exactly once")
+        self.world_size = world_size
+        self.numels = list(numels)
+        self.buckets: list[Bucket] = []
+        start = shard_start = 0
+        for g in groups:
+            offsets, n = [], 0
+            for i in g:
+                offsets.append(n)
+                n += numels[i]
+            padded = -(-n // world_size) * world_size  # ceil to a multiple of N
+            b = Bucket(tuple(g), tuple(offsets), n, padded, start, shard_start, world_size)
+            self.buckets.append(b)
+            start += padded
+            shard_start += b.chunk
+        self.total = start             # full flat buffer, padding included
+        self.shard_numel = shard_start  # one rank's shard
+        self.padding = self.total - sum(numels)
+
+    def shard_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
+        """[lo, hi) of rank's chunk of ``bucket`` in the full flat buffer."""
+        lo = bucket.start + rank * bucket.chunk
+        return lo, lo + bucket.chunk
+
+
+def size_buckets(numels: list[int], cap_numel: int) -> list[list[int]]:
+    """Group parameter indices in reverse order into buckets of <= cap_numel
+    elements (a bigger parameter gets a bucket of its own)."""
+    groups, cur, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        if cur and size + numels[i] > cap_numel:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += numels[i]
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW step in place on flat fp32 tensors (Loshchilov & Hutter 2019, Alg. 2).
+
+    The same elementwise operations, in the same order, as
+    ``torch.optim.AdamW(foreach=False)``, so a shard updated here is bitwise
+    equal to the same elements updated by PyTorch.
+    """
+    param.mul_(1 - lr * weight_decay)                    # decoupled weight decay
+    exp_avg.lerp_(grad, 1 - beta1)                       # m = b1 m + (1 - b1) g
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # v = b2 v + (1 - b2) g^2
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def _is_allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
+
+
+# --------------------------------------------------------------------------
+# The optimizer wrapper.
+# --------------------------------------------------------------------------
+
+class ZeroOptimizer:
+    """AdamW with its state sharded over the data-parallel group, ZeRO stage 0-3.
+
+    Use it like an optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
+    Each rank passes the loss of its own micro-batch; gradients are averaged
+    over the group, so N ranks on N slices equal one process on the global
+    batch. Construction broadcasts rank 0's weights, so ranks may start from
+    different initializations.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, process_group=None, precision: str = "fp32",
+                 bucket_cap_mb: float = 25.0):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0 (DP), 1, 2 or 3, got {stage!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps <= 0 \
+                or weight_decay < 0:
+            raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}: need lr > 0, 0 <= beta < 1, eps > 0, "
+                             f"weight_decay >= 0")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.model, self.stage, self.group = model, stage, process_group
+        self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.dtype = PRECISIONS[precision]
+        self.precision = precision
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if distributed else 1
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        # Stage 0 replicates everything: a "partition" into one piece.
+        self.shards = 1 if stage == 0 else self.world
+        self.shard_rank = 0 if stage == 0 else self.rank  # which chunk this rank owns
+        self.step_count = 0
+        self._comm: dict[str, float] = {}
+        self._comm_last: dict[str, float] = {}
+        self._handles: list = []  # (work, bucket index, temp output) of in-flight reduce-scatters
+
+        # Distinct trainable parameters (a tied weight appears once).
+        self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        numels = [p.numel() for p in self.params]
+        if stage < 3:
+            elem_bytes = torch.finfo(self.dtype).bits // 8
+            cap = max(1, int(bucket_cap_mb * 2**20) // elem_bytes)
+            # stage 2 reduces during backward, so it buckets; stages 0-1 reduce
+            # once in step(), so one bucket (one collective) is enough.
+            groups = size_buckets(numels, cap) if stage == 2 else [list(range(len(numels)))]
+        else:
+            groups = self._module_groups()
+        self.partition = FlatPartition(numels, self.shards, groups)
+
+        with torch.no_grad():
+            if stage < 3:
+                self._setup_flat()
+            else:
+                self._setup_stage3()
+        self._comm = {}
+
+    # ---------------------------------------------------------------- setup
+    def _module_groups(self) -> list[list[int]]:
+        """Stage 3: one bucket per module that directly owns trainable params."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        groups, seen = [], set()
+        self._module_units: list[tuple[nn.Module, list[int]]] = []
+        for module in self.model.modules():
+            mine = []
+            units_needed = []
+            for p in module.parameters(recurse=False):
+                if id(p) not in index:
+                    continue
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    mine.append(index[id(p)])
+                else:  # a tied weight owned by an earlier module
+                    units_needed.append(id(p))
+            if mine:
+                groups.append(mine)
+            if mine or units_needed:
+                self._module_units.append((module, mine and [len(groups) - 1] or [], units_needed))
+        return groups
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        if self.world > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                           group=self.group)
+
+    def _setup_flat(self) -> None:
+        """Stages 0-2: weights live in one flat buffer, params are views into it."""
+        part, r = self.partition, self.shard_rank
+        self.flat_param = torch.zeros(part.total, dtype=self.dtype)
+        for b in part.buckets:
+            for i, off in zip(b.params, b.offsets):
+                p = self.params[i]
+                seg = self.flat_param[b.start + off:b.start + off + p.numel()]
+                seg.copy_(p.detach().reshape(-1))
+                p.data = seg.view_as(p)
+        self._broadcast(self.flat_param)
+        # Stages 0-1 keep full gradients: p.grad is a view into one flat buffer,
+        # so autograd accumulates straight into it and step() reduces it in place.
+        if self.stage < 2:
+            self.flat_grad = torch.zeros(part.total, dtype=self.dtype)
+            for b in part.buckets:
+                for i, off in zip(b.params, b.offsets):
+                    p = self.params[i]
+                    p.grad = self.flat_grad[b.start + off:b.start + off + p.numel()].view_as(p)
+        else:
+            self.grad_shard = torch.zeros(part.shard_numel, dtype=self.dtype)
+            self._install_grad_hooks()
+        # fp32 master weights of this rank's chunks (a view of the weights in fp32 mode)
+        chunks = [self.flat_param[slice(*part.shard_range(b, r))] for b in part.buckets]
+        self._param_chunks = chunks
+        self._init_optimizer_state(chunks)
+
+    def _init_optimizer_state(self, chunks: list[torch.Tensor]) -> None:
+        n = self.partition.shard_numel
+        self.exp_avg = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        if self.dtype == torch.float32:
+            self.master = None
+            self._master_chunks = chunks  # update the weights in place
+        else:
+            self.master = torch.cat([c.float() for c in chunks])
+            self._master_chunks = [self.master[b.shard_start:b.shard_start + b.chunk]
+                                   for b in self.partition.buckets]
+
+    def _setup_stage3(self) -> None:
+        part, r = self.partition, self.rank
+        self.param_shard = torch.zeros(part.shard_numel, dtype=self.dtype)
+        self.grad_shard = torch.zeros(part.shard_numel, dtype=self.dtype)
+        self.unit_full: list[torch.Tensor] = []
+        for b in part.buckets:
+            full = torch.zeros(b.padded, dtype=self.dtype)
+            for i, off in zip(b.params, b.offsets):
+                p = self.params[i]
+                seg = full[off:off + p.numel()]
+                seg.copy_(p.detach().reshape(-1))
+                p.data = seg.view_as(p)  # from now on p is a window into `full`
+            self._broadcast(full)
+            self.param_shard[b.shard_start:b.shard_start + b.chunk].copy_(
+                full[r * b.chunk:(r + 1) * b.chunk])
+            _free(full)  # the full weights exist only while a module runs
+            self.unit_full.append(full)
+        self._param_chunks = [self.param_shard[b.shard_start:b.shard_start + b.chunk]
+                              for b in part.buckets]
+        self._init_optimizer_state(self._param_chunks)
+        owner = {}
+        for bi, b in enumerate(part.buckets):
+            for i in b.params:
+                owner[id(self.params[i])] = bi
+        self._hook_handles = []
+        for module, own, tied in self._module_units:
+            units = sorted(set(own) | {owner[t] for t in tied})
+            self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            self._hook_handles.append(module.register_forward_hook(self._post_forward(units)))
+        self._install_grad_hooks()
+
+    # ------------------------------------------------------- stage 3 gather/free
+    def gather_unit(self, bi: int) -> None:
+        """All-gather bucket ``bi``'s full weights into its (re-grown) storage."""
+        full = self.unit_full[bi]
+        if _is_allocated(full):
+            return
+        _alloc(full)
+        if self.world > 1:
+            all_gather(full, self._param_chunks[bi], group=self.group)
+        else:
+            full.copy_(self._param_chunks[bi])
+        self._count("all_gather", full.numel() * full.element_size())
+
+    def free_unit(self, bi: int) -> None:
+        _free(self.unit_full[bi])
+
+    def _pre_forward(self, units):
+        def hook(module, args):
+            for bi in units:
+                self.gather_unit(bi)
+        return hook
+
+    def _post_forward(self, units):
+        def hook(module, args, out):
+            for bi in units:
+                self.free_unit(bi)
+            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(pre_backward)
+            return None
+
+        def pre_backward(grad):
+            # Fires when backward reaches this module's output: gather again.
+            for bi in units:
+                self.gather_unit(bi)
+        return hook
+
+    # ------------------------------------------------------- stage 2/3 gradients
+    def _install_grad_hooks(self) -> None:
+        self._bucket_of = {}
+        for bi, b in enumerate(self.partition.buckets):
+            for i in b.params:
+                self._bucket_of[id(self.params[i])] = bi
+        self._ready = [0] * len(self.partition.buckets)
+        self._launched = [False] * len(self.partition.buckets)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        bi = self._bucket_of[id(p)]
+        self._ready[bi] += 1
+        if self._ready[bi] == len(self.partition.buckets[bi].params):
+            self._launch_bucket(bi)
+
+    def _launch_bucket(self, bi: int) -> None:
+        """Reduce-scatter bucket bi's gradients (async) and drop the full ones."""
+        b = self.partition.buckets[bi]
+        buf = torch.zeros(b.padded, dtype=self.dtype)  # padding stays 0
+        for i, off in zip(b.params, b.offsets):
+            p = self.params[i]
+            if p.grad is not None:
+                buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None  # a rank keeps only its chunk (stage >= 2)
+        buf.div_(self.world)  # average, not sum, of the ranks' gradients
+        out = torch.empty(b.chunk, dtype=self.dtype)
+        work = reduce_scatter(out, buf, group=self.group, async_op=self.world > 1) \
+            if self.world > 1 else None
+        if work is None:
+            out.copy_(buf)
+        self._count("reduce_scatter", buf.numel() * buf.element_size())
+        self._handles.append((work, bi, out, buf))
+        self._launched[bi] = True
+        if self.stage == 3:
+            self.free_unit(bi)
+
+    def _finish_reduction(self) -> None:
+        # Buckets whose gradients never arrived (an unused module) are reduced
+        # now with zeros, in bucket order, identically on every rank.
+        for bi, done in enumerate(self._launched):
+            if not done:
+                self._launch_bucket(bi)
+        for work, bi, out, _ in self._handles:
+            if work is not None:
+                work.wait()
+            b = self.partition.buckets[bi]
+            self.grad_shard[b.shard_start:b.shard_start + b.chunk].add_(out)
+        self._handles = []
+        self._ready = [0] * len(self.partition.buckets)
+        self._launched = [False] * len(self.partition.buckets)
+
+    # ------------------------------------------------------------------ step
+    def _count(self, op: str, nbytes: int) -> None:
+        self._comm[op] = self._comm.get(op, 0.0) + ring_bytes_sent(op, nbytes, self.world)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        part, r = self.partition, self.rank
+        self.step_count += 1
+        # 1. Averaged gradient of this rank's chunks, per bucket.
+        if self.stage == 0:
+            if self.world > 1:
+                self.flat_grad.div_(self.world)
+                dist.all_reduce(self.flat_grad, group=self.group)
+            self._count("all_reduce", self.flat_grad.numel() * self.flat_grad.element_size())
+            grad_chunks = [self.flat_grad[slice(*part.shard_range(b, 0))] for b in part.buckets]
+        elif self.stage == 1:
+            grad_chunks = []
+            for b in part.buckets:
+                src = self.flat_grad[b.start:b.start + b.padded].div(self.world)
+                out = torch.empty(b.chunk, dtype=self.dtype)
+                if self.world > 1:
+                    reduce_scatter(out, src, group=self.group)
+                else:
+                    out.copy_(src)
+                self._count("reduce_scatter", src.numel() * src.element_size())
+                grad_chunks.append(out)
+        else:
+            self._finish_reduction()
+            grad_chunks = [self.grad_shard[b.shard_start:b.shard_start + b.chunk]
+                           for b in part.buckets]
+        # 2. AdamW on the chunks this rank owns, in fp32.
+        for b, master, g in zip(part.buckets, self._master_chunks, grad_chunks):
+            s = slice(b.shard_start, b.shard_start + b.chunk)
+            adamw_update(master, g.float(), self.exp_avg[s], self.exp_avg_sq[s],
+                         self.step_count, self.lr, self.beta1, self.beta2, self.eps,
+                         self.weight_decay)
+        # 3. New weights where the forward pass will read them.
+        if self.master is not None:
+            for chunk, master in zip(self._param_chunks, self._master_chunks):
+                chunk.copy_(master)  # fp32 -> bf16/fp16 working copy
+        if self.stage in (1, 2):
+            for b, chunk in zip(part.buckets, self._param_chunks):
+                full = self.flat_param[b.start:b.start + b.padded]
+                if self.world > 1:
+                    all_gather(full, chunk.clone(), group=self.group)
+                self._count("all_gather", full.numel() * full.element_size())
+        self._comm_last, self._comm = self._comm, {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients (stages 0-1 keep their flat buffer and zero it)."""
+        if self.stage < 2:
+            self.flat_grad.zero_()
+        else:
+            self.grad_shard.zero_()
+            for p in self.params:
+                p.grad = None
+
+    # ---------------------------------------------------------- measurements
+    def comm_bytes(self) -> dict[str, float]:
+        """Bytes this rank sent in the last step, by collective (ring model), plus 'total'."""
+        out = dict(self._comm_last)
+        out["total"] = sum(self._comm_last.values())
+        return out
+
+    def state_bytes(self) -> ModelStateBytes:
+        """Bytes this rank holds now in weights, gradients and optimizer state,
+        measured from the storages of the tensors (each storage counted once)."""
+        seen: set[int] = set()
+
+        def size(tensors: Iterable[torch.Tensor | None]) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                st = t.untyped_storage()
+                if st.nbytes() == 0 or st.data_ptr() in seen:
+                    continue
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+            return total
+
+        if self.stage < 3:
+            params = size([self.flat_param])
+        else:
+            params = size([self.param_shard] + self.unit_full)
+        grads = size([p.grad for p in self.params]
+                     + [getattr(self, "flat_grad", None), getattr(self, "grad_shard", None)])
+        optimizer = size([self.master, self.exp_avg, self.exp_avg_sq])
+        return ModelStateBytes(params=float(params), grads=float(grads),
+                               optimizer=float(optimizer))
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter, full and in fp32 (an all-gather in stage 3).
+
+        Collective: call on every rank."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.stage == 3:
+            out = {}
+            for bi, b in enumerate(self.partition.buckets):
+                was = _is_allocated(self.unit_full[bi])
+                self.gather_unit(bi)
+                for i in b.params:
+                    out[names[id(self.params[i])]] = self.params[i].detach().float().clone()
+                if not was:
+                    self.free_unit(bi)
+            self._comm = {}
+            return out
+        return {names[id(p)]: p.detach().float().clone() for p in self.params}

@@ -1,0 +1,227 @@
+"""ZeRO stages 0-3 against torch.optim.AdamW, the memory formula and the ring cost model."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import launch, rank_info
+from helpers.data import make_dataset
+from helpers.memory import model_state_bytes
+from helpers.model import build_model
+from helpers.zero import FlatPartition, ZeroOptimizer, adamw_update, ring_bytes_sent, size_buckets
+
+LR = 1e-3
+STEPS = 3
+B = 2  # sequences per rank
+
+
+def _batches(world_size, steps=STEPS):
+    ds = make_dataset(num_sequences=64, seq_len=16)
+    G = B * world_size
+    return [ds.batch(list(range(s * G, (s + 1) * G))) for s in range(steps)]
+
+
+def _model_with_extras():
+    """The toy GPT plus a frozen weight and a parameter that never gets a gradient."""
+    model = build_model("toy", seed=0)
+    model.frozen = torch.nn.Linear(3, 3)
+    model.frozen.requires_grad_(False)
+    model.unused = torch.nn.Linear(5, 7)  # in the optimizer, never in forward: grad stays 0
+    return model
+
+
+def _zero_missing_grads(*models):
+    # ZeroOptimizer updates a parameter that got no gradient as if its
+    # gradient were zero (weight decay still applies); torch.optim would skip
+    # it. Give the references the same zero gradient.
+    for m in models:
+        for p in m.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
+def _equivalence(stages, precision="fp32"):
+    """On every rank: ZeRO stage s vs (a) one process on the global batch and
+    (b) DDP's recipe in the same rank (all-reduce of grad / N, then AdamW)."""
+    r = rank_info()
+    N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
+    batches = _batches(N)
+    out = {}
+    for stage in stages:
+        base = _model_with_extras()
+        single, ddp_ref = copy.deepcopy(base), copy.deepcopy(base)
+        model = copy.deepcopy(base)
+        # Rank-specific init: ZeroOptimizer must broadcast rank 0's weights.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(r.rank)
+        opt = ZeroOptimizer(model, stage, lr=LR, precision=precision)
+        o_single = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad],
+                                     lr=LR, foreach=False)
+        o_ddp = torch.optim.AdamW([p for p in ddp_ref.parameters() if p.requires_grad],
+                                  lr=LR, foreach=False)
+        grad_err = 0.0
+        for x, y in batches:
+            model(x[lo:hi], y[lo:hi])[1].backward()
+            single(x, y)[1].backward()
+            ddp_ref(x[lo:hi], y[lo:hi])[1].backward()
+            for p in ddp_ref.parameters():
+                if p.grad is not None:
+                    p.grad.div_(N)
+                    dist.all_reduce(p.grad)
+            _zero_missing_grads(single, ddp_ref)
+            opt.step()
+            o_single.step(); o_ddp.step()
+            o_single.zero_grad(); o_ddp.zero_grad(); opt.zero_grad()
+        full = opt.full_parameters()
+        named = dict(single.named_parameters())
+        d_single = max((full[n] - named[n]).abs().max().item() for n in full)
+        named = dict(ddp_ref.named_parameters())
+        d_ddp = max((full[n] - named[n]).abs().max().item() for n in full)
+        frozen_same = torch.equal(model.frozen.weight, base.frozen.weight)
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out[stage] = dict(single=d_single, ddp=d_ddp, frozen_same=frozen_same, n=n,
+                          comm=opt.comm_bytes(), state=opt.state_bytes())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_stages_equal_adamw_on_global_batch(world_size):
+    results = launch(_equivalence, world_size, [0, 1, 2, 3], timeout=120)
+    for stage, res in results[0].items():
+        # One process on the global batch sums the per-example gradients in a
+        # different order than N ranks do (each rank a batch of B, then a sum
+        # over ranks), so the gradients differ by fp32 rounding (~1e-7 rel.).
+        # After 3 AdamW steps of lr 1e-3 the weights differ by far less than
+        # one step (1e-3); we allow 2e-6, i.e. 0.2% of a step.
+        assert res["single"] < 2e-6, (stage, res["single"])
+        if world_size == 2:
+            # Same reduction as DDP (a + b is commutative in IEEE), same AdamW
+            # operations: bitwise equal.
+            assert res["ddp"] == 0.0, (stage, res["ddp"])
+        else:
+            # Gloo's reduce-scatter and all-reduce may sum 3-4 terms in
+            # different orders: rounding only.
+            assert res["ddp"] < 1e-6, (stage, res["ddp"])
+        assert res["frozen_same"]
+    # fp32 state bytes on every rank, and communication volume per stage
+    _check_bytes([{s: (v["n"], v["state"], v["comm"]) for s, v in rr.items()} for rr in results],
+                 world_size, (4, 4, 8))
+
+
+def _bytes_and_comm(precision):
+    r = rank_info()
+    x, y = _batches(r.world_size, steps=1)[0]
+    lo, hi = r.rank * B, (r.rank + 1) * B
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = build_model("toy", seed=0)
+        if precision != "fp32":
+            model = model.to(torch.bfloat16)
+        n = sum(p.numel() for p in model.parameters())
+        opt = ZeroOptimizer(model, stage, lr=LR, precision=precision)
+        model(x[lo:hi], y[lo:hi])[1].backward()
+        opt.step()
+        out[stage] = (n, opt.state_bytes(), opt.comm_bytes())
+    return out
+
+
+@pytest.mark.slow
+def test_mixed_precision_state_bytes_and_comm_volume():
+    # bf16 weights and grads, fp32 master + moments: the paper's 2 + 2 + 12.
+    res = launch(_bytes_and_comm, 4, "bf16", timeout=120)
+    _check_bytes(res, 4, (2, 2, 12))
+
+
+def _check_bytes(res, world_size, bytes_per_param):
+    pb, gb, ob = bytes_per_param
+    for rank_res in res:
+        for stage, (n, measured, comm) in rank_res.items():
+            want = model_state_bytes(n, dp=world_size, zero_stage=stage, param_bytes=pb,
+                                     grad_bytes=gb, optimizer_bytes=ob)
+            for part in ("params", "grads", "optimizer"):
+                # padding: at most N-1 elements per bucket (15 buckets in stage 3)
+                assert abs(getattr(measured, part) / getattr(want, part) - 1) < 0.01, \
+                    (stage, part, getattr(measured, part), getattr(want, part))
+        comm = {s: res[0][s][2] for s in range(4)}
+        dp = comm[0]["total"]
+        # Stages 1-2: reduce-scatter + all-gather = one all-reduce (ZeRO sec. 7.2.1);
+        # padding adds < 0.1%.
+        assert comm[1]["total"] == pytest.approx(dp, rel=1e-3)
+        assert comm[2]["total"] == pytest.approx(dp, rel=1e-3)
+        # Stage 3: two all-gathers + one reduce-scatter = 1.5x (sec. 7.2.2). The
+        # tied embedding is gathered once more (for lm_head): +wte/(2 Psi) = +3.6%.
+        assert 1.5 <= comm[3]["total"] / dp < 1.55
+        assert set(comm[3]) == {"all_gather", "reduce_scatter", "total"}
+
+
+def test_world_size_one_is_plain_adamw():
+    """No process group at all: every stage is torch.optim.AdamW, bitwise."""
+    assert not dist.is_initialized()
+    x, y = _batches(1)[0]
+    for stage in (0, 1, 2, 3):
+        model, ref = build_model("toy", seed=0), build_model("toy", seed=0)
+        opt = ZeroOptimizer(model, stage, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        for _ in range(2):
+            model(x, y)[1].backward(); opt.step(); opt.zero_grad()
+            ref(x, y)[1].backward(); ropt.step(); ropt.zero_grad()
+        full = opt.full_parameters()
+        for n, p in ref.named_parameters():
+            assert torch.equal(full[n], p), (stage, n)
+
+
+def test_stage3_frees_weights_outside_forward():
+    model = build_model("toy", seed=0)
+    opt = ZeroOptimizer(model, 3)
+    x, y = _batches(1)[0]
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    loss = model(x, y)[1]
+    # after forward everything is freed again, and backward regathers
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    loss.backward()
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    opt.step()
+
+
+def test_partition_pads_each_bucket():
+    part = FlatPartition([5, 3, 10], world_size=4, groups=[[2], [0, 1]])
+    assert [b.padded for b in part.buckets] == [12, 8]
+    assert [b.chunk for b in part.buckets] == [3, 2]
+    assert part.total == 20 and part.shard_numel == 5 and part.padding == 2
+    assert part.shard_range(part.buckets[1], 3) == (18, 20)
+    assert part.buckets[1].offsets == (0, 5)
+    assert size_buckets([4, 4, 4, 9], cap_numel=8) == [[3], [2, 1], [0]]
+    with pytest.raises(ValueError, match="exactly once"):
+        FlatPartition([1, 2], 2, [[0]])
+
+
+def test_adamw_update_is_bitwise_torch():
+    torch.manual_seed(0)
+    p = torch.randn(100)
+    ref = p.clone().requires_grad_()
+    o = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1, foreach=False)
+    m, v = torch.zeros(100), torch.zeros(100)
+    for step in range(1, 4):
+        g = torch.randn(100)
+        ref.grad = g.clone(); o.step()
+        adamw_update(p, g, m, v, step, 0.1, 0.9, 0.999, 1e-8, 0.1)
+    assert torch.equal(p, ref.detach())
+
+
+def test_ring_cost_and_bad_input():
+    assert ring_bytes_sent("all_reduce", 100, 4) == 150
+    assert ring_bytes_sent("all_gather", 100, 4) == 75
+    assert ring_bytes_sent("reduce_scatter", 100, 1) == 0
+    model = build_model("toy")
+    with pytest.raises(ValueError, match="stage"):
+        ZeroOptimizer(model, 4)
+    with pytest.raises(ValueError, match="precision"):
+        ZeroOptimizer(model, 1, precision="fp8")
+    with pytest.raises(ValueError, match="lr"):
+        ZeroOptimizer(model, 1, lr=-1)
+    with pytest.raises(ValueError, match="trainable"):
+        ZeroOptimizer(model.requires_grad_(False), 1)
