@@ -1,0 +1,126 @@
+"""helpers.memory: published cells reproduced, measured saved bytes == hand accounting."""
+
+import pytest
+import torch
+
+from helpers.memory import (GB, SavedTensorCounter, activation_bytes_model,
+                            activation_bytes_per_layer, count_saved_bytes, explain_saved_bytes,
+                            model_state_bytes, training_memory)
+from helpers.model import build_model
+
+
+def test_70b_needs_1120_gb():
+    assert model_state_bytes(70e9).total / GB == pytest.approx(1120)
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, gb):
+    # Rajbhandari et al. 2020, Fig. 1: Psi = 7.5B, N_d = 64, K = 12 (rounded to 0.1 GB)
+    got = model_state_bytes(7.5e9, dp=64, zero_stage=stage).total / GB
+    assert round(got, 1) == gb
+
+
+def test_korthikanti_table_2_forms():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8        # GPT-3 175B shapes (Korthikanti Table 3)
+    sbh = s * b * h
+    f = lambda **kw: activation_bytes_per_layer(s, b, h, a, **kw)  # noqa: E731
+    assert f() == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert f(tp=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert f(tp=t, sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert f(tp=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert f(tp=t, sequence_parallel=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert f(recompute="full") == pytest.approx(2 * sbh)
+    assert f(tp=1) == f()                                  # t = 1 reduces to no parallelism
+
+
+def test_whole_model_first_stage():
+    s, b, h, a, L, v = 2048, 1, 12288, 96, 96, 51200
+    per = activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True)
+    # 1F1B: first stage holds L/p layers x p micro-batches = L layers' worth
+    got = activation_bytes_model(s, b, h, a, L, tp=8, pp=8, sequence_parallel=True)
+    assert got == pytest.approx(per * L + s * b * h * 8 / 8)
+    inter = activation_bytes_model(s, b, h, a, L, tp=8, pp=8, sequence_parallel=True,
+                                   interleave=3)
+    assert inter == pytest.approx(per * L * (1 + 7 / 24) + s * b * h)
+    nopp = activation_bytes_model(s, b, h, a, L, vocab=v)
+    per1 = activation_bytes_per_layer(s, b, h, a)
+    assert nopp == pytest.approx(per1 * L + s * b * h + 4 * s * b * h * (1 + v / h))
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(heads=24, tp=5), "24 heads do not divide over tensor-parallel size 5"),
+    (dict(seq=-1), "seq must be a positive int"),
+    (dict(recompute="some"), "unknown recompute mode"),
+    (dict(hidden=100, heads=8), "not divisible by heads"),
+    (dict(seq=10, tp=4, heads=8, sequence_parallel=True), "not divisible by tensor-parallel"),
+])
+def test_clear_errors(kwargs, msg):
+    args = dict(seq=16, batch=2, hidden=96, heads=8) | kwargs
+    with pytest.raises(ValueError, match=msg):
+        activation_bytes_per_layer(args.pop("seq"), args.pop("batch"), args.pop("hidden"),
+                                   args.pop("heads"), **args)
+
+
+def test_training_memory_parts_add_up():
+    parts = training_memory(70e9, seq=4096, micro_batch=1, hidden=8192, heads=64, layers=80,
+                            vocab=32000, dp=8, zero_stage=3, tp=8, pp=1)
+    assert parts["weights"] + parts["grads"] + parts["optimizer"] == \
+        pytest.approx(model_state_bytes(70e9 / 8, dp=8, zero_stage=3).total)
+    assert parts["total"] == pytest.approx(sum(parts[k] for k in
+                                               ("weights", "grads", "optimizer", "activations")))
+    with pytest.raises(ValueError, match="80 layers do not split over 3"):
+        training_memory(70e9, seq=4096, micro_batch=1, hidden=8192, heads=64, layers=80, pp=3)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_measured_equals_explained_exactly(dropout, dtype):
+    model = build_model("toy", dropout=dropout).to(dtype).train()
+    b, s = 2, 8
+    idx, tgt = torch.randint(0, 64, (b, s)), torch.randint(0, 64, (b, s))
+    with SavedTensorCounter(model) as counter:
+        model(idx, tgt)
+    explained = explain_saved_bytes(model.config, b, s, dtype)
+    per_module: dict[str, int] = {}
+    for term in explained:
+        per_module[term.module] = per_module.get(term.module, 0) + term.nbytes
+    assert counter.by_module() == per_module          # module by module, to the byte
+    assert counter.total_bytes == sum(t.nbytes for t in explained)
+
+
+def test_per_layer_matches_paper_plus_named_extras():
+    # bf16, dropout on, CPU: paper's 34sbh + 5as^2b, plus CPU's 2-byte masks
+    # (2 sbh + a s^2 b extra), LayerNorm stats (2 LN x 2 x sb x 2 bytes) and the s x s mask.
+    model = build_model("toy", dropout=0.1)
+    cfg, b, s = model.config, 2, 8
+    h, a = cfg.n_embd, cfg.n_head
+    layer = sum(t.nbytes for t in explain_saved_bytes(cfg, b, s) if t.module.startswith("blocks.0"))
+    paper = activation_bytes_per_layer(s, b, h, a)
+    assert layer == paper + 2 * s * b * h + a * s * s * b + 2 * 2 * s * b * 2 + s * s
+
+
+def test_counter_dedups_views_and_skips_parameters():
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with SavedTensorCounter(lin) as c:
+        y = lin(x)
+        z = y[:, :2] * y[:, 2:]            # two views of y's storage, both saved
+    assert c.total_bytes == x.nbytes + y.nbytes
+    assert any(r.is_param for r in c.records)
+    assert count_saved_bytes(lin, x).total_bytes == x.nbytes
+    z.sum().backward()
+
+
+def test_peak_drops_as_backward_frees():
+    model = build_model("toy")
+    idx = torch.randint(0, 64, (2, 8))
+    with SavedTensorCounter(model) as c:
+        _, loss = model(idx, idx)
+        assert c.live_bytes == c.peak_bytes
+        loss.backward()
+    assert c.live_bytes == 0
+
+
+def test_sdpa_not_explained():
+    with pytest.raises(ValueError, match="attention='manual'"):
+        explain_saved_bytes(build_model("toy", attention="sdpa").config, 2, 8)
