@@ -1,0 +1,126 @@
+"""Checks for chapter 12: the bubble formula and the 1F1B schedule generator."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.checks import CheckFailed, attempt, passed
+from helpers.checks.ch11 import run_on_ranks
+from helpers.pipeline import (ScheduleDeadlock, format_schedule, interleaved_1f1b, one_f_one_b,
+                              simulate, validate_schedule)
+
+
+def check_bubble_fraction(bubble_fraction) -> None:
+    """``bubble_fraction(p, m, v=1)``: idle share of a step's rank-time with t_b = 2 t_f,
+    compared with what the simulator measures on the real schedules."""
+    for p, m, v in [(2, 2, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1), (2, 4, 2), (4, 8, 2),
+                    (4, 4, 4), (1, 3, 1)]:
+        want = simulate(interleaved_1f1b(p, m, v), 1.0, 2.0).bubble_fraction
+        got = attempt(bubble_fraction, p, m, v, what="bubble_fraction")
+        try:
+            ok = abs(float(got) - want) < 1e-9
+        except (TypeError, ValueError):
+            raise CheckFailed(f"bubble_fraction({p}, {m}, {v}) should be a number, got {got!r}") \
+                from None
+        if not ok:
+            hint = ""
+            if v * m and abs(float(got) - (p - 1) / (v * m)) < 1e-9:
+                hint = (" That is the bubble relative to the ideal time (the papers' form); "
+                        "we want the fraction of the actual step that is idle.")
+            raise CheckFailed(f"bubble_fraction({p}, {m}, {v}) = {float(got):.4f}, the "
+                              f"simulator measures {want:.4f}.{hint}")
+    passed("bubble fraction matches the simulated schedules, v = 1 and interleaved")
+
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 5, 8, 12)]
+
+
+def _learner_schedule(one_f_one_b_fn, p, m):
+    got = attempt(one_f_one_b_fn, p, m, what="one_f_one_b")
+    try:
+        sched = validate_schedule(got, num_microbatches=m, num_chunks=1)
+    except ScheduleDeadlock as exc:
+        raise CheckFailed(f"one_f_one_b({p}, {m}) can never finish: {exc}. Check the "
+                          f"warm-up count of each rank (which rank needs the most forwards "
+                          f"in flight?)") from None
+    except ValueError as exc:
+        raise CheckFailed(f"one_f_one_b({p}, {m}) is not a valid schedule: {exc}") from None
+    if len(sched) != p:
+        raise CheckFailed(f"one_f_one_b({p}, {m}) has {len(sched)} rank(s), expected {p}")
+    return sched
+
+
+def check_one_f_one_b(one_f_one_b_fn) -> None:
+    """``one_f_one_b(p, m)``: per-rank lists of F(j)/B(j), valid, deadlock-free, with
+    1F1B's stash min(p - i, m) on rank i and 1F1B's order."""
+    for p, m in GRID:
+        sched = _learner_schedule(one_f_one_b_fn, p, m)
+        sim = simulate(sched, 1.0, 2.0)
+        want_stash = [min(p - i, m) for i in range(p)]
+        if sim.peak_stash != want_stash:
+            raise CheckFailed(
+                f"one_f_one_b({p}, {m}) holds up to {sim.peak_stash} micro-batches per rank; "
+                f"1F1B holds min(p - i, m) = {want_stash}. Your schedule:\n"
+                f"{format_schedule(sched)}")
+        ref = one_f_one_b(p, m)
+        if sched != ref:
+            r = next(i for i in range(p) if sched[i] != ref[i])
+            raise CheckFailed(f"one_f_one_b({p}, {m}): rank {r} runs {sched[r]}, expected "
+                              f"{ref[r]} (warm-up, then F(k + warm-up) B(k) pairs, then the "
+                              f"remaining B's)")
+        expected_bubble = (p - 1) / (m + p - 1)
+        if abs(sim.bubble_fraction - expected_bubble) > 1e-9:  # cannot happen if equal to ref
+            raise CheckFailed(f"bubble {sim.bubble_fraction:.4f} != {expected_bubble:.4f}")
+    passed(f"1F1B right for {len(GRID)} (p, m) pairs: stash min(p - i, m), "
+           f"bubble (p-1)/(m+p-1)")
+
+
+RANKS_P, RANKS_M, RANKS_LAYERS = 2, 4, 4
+
+
+def _batch():
+    g = torch.Generator().manual_seed(12)
+    return (torch.randint(0, 64, (8, 16), generator=g),
+            torch.randint(0, 64, (8, 16), generator=g))
+
+
+def _executor_rank(schedule):
+    from helpers import rank_info
+    from helpers.model import build_model
+    from helpers.pipeline.executor import chunk_grads, pipeline_step, split_model
+
+    torch.set_num_threads(1)
+    info = rank_info()
+    chunks = split_model(build_model("toy", n_layer=RANKS_LAYERS), info.world_size)[info.rank]
+    x, y = _batch()
+    res = pipeline_step(chunks, schedule, x, y)
+    return res.loss, chunk_grads(chunks), res.peak_stash
+
+
+def check_one_f_one_b_on_ranks(one_f_one_b_fn) -> None:
+    """Run the learner's 1F1B on 2 real ranks with the course executor: loss and gradients
+    must equal the unsplit model's, and the measured stash must be 1F1B's."""
+    from helpers.model import build_model
+    from helpers.pipeline.executor import reference_grads
+
+    p, m = RANKS_P, RANKS_M
+    sched = _learner_schedule(one_f_one_b_fn, p, m)  # refuses a deadlock before any rank runs
+    results = run_on_ranks(_executor_rank, p, sched, what="the pipeline with your schedule")
+    x, y = _batch()
+    ref_loss, ref = reference_grads(build_model("toy", n_layer=RANKS_LAYERS), x, y)
+    loss = results[-1][0]
+    if loss is None or abs(loss - ref_loss) > 1e-5 * abs(ref_loss):
+        raise CheckFailed(f"loss {loss!r} on the last rank, unsplit model {ref_loss:.6f}")
+    grads = {**results[0][1], **results[1][1]}
+    for name, want in ref.items():
+        # accumulation over micro-batches reorders float32 sums: rounding only
+        if not torch.allclose(grads[name], want, rtol=1e-4, atol=1e-6):
+            raise CheckFailed(f"gradient of {name} differs from the unsplit model's")
+    measured = [r[2] for r in results]
+    want = [min(p - i, m) for i in range(p)]
+    if measured != want:
+        raise CheckFailed(f"measured peak stash {measured} micro-batches per rank; 1F1B keeps "
+                          f"{want}. The pipeline is correct but holds more activations than "
+                          f"1F1B needs (GPipe order?)")
+    passed(f"2 real ranks, m = {m}: loss {loss:.4f} and gradients equal the unsplit model; "
+           f"measured stash {measured} = 1F1B's")

@@ -1,0 +1,83 @@
+"""Chapter 11's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.checks import CheckFailed, ch11
+from helpers.model import lm_loss
+from tools.nbtool import exercise
+
+LAB, SOL = "labs/11_pipeline_basics.ipynb", "solutions/11_pipeline_basics.ipynb"
+
+
+def test_partition_solution_passes_and_stub_fails(capsys):
+    ch11.check_balanced_partition(exercise(SOL, "balanced_partition"))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch11.check_balanced_partition(exercise(LAB, "balanced_partition"))
+
+
+def _greedy(costs, k):
+    """Fill each stage up to the average cost: a plausible, wrong answer."""
+    if len(costs) < k:
+        raise ValueError("too few layers")
+    target, stages, start, acc = sum(costs) / k, [], 0, 0.0
+    for i, c in enumerate(costs):
+        acc += c
+        left_layers, left_stages = len(costs) - i - 1, k - len(stages) - 1
+        if left_stages and (acc >= target or left_layers == left_stages):
+            stages.append(range(start, i + 1))
+            start, acc = i + 1, 0.0
+    stages.append(range(start, len(costs)))
+    return stages
+
+
+def test_greedy_partition_fails():
+    with pytest.raises(CheckFailed, match="slowest stage"):
+        ch11.check_balanced_partition(_greedy)
+
+
+def test_partition_without_error_fails():
+    def by_count(costs, k):  # equal layer counts, no check for too few layers
+        n = len(costs)
+        edges = [round(i * n / k) for i in range(k + 1)]
+        return [range(a, b) for a, b in zip(edges, edges[1:])]
+
+    with pytest.raises(CheckFailed):
+        ch11.check_balanced_partition(by_count)
+
+
+def _ignores_received_grad(stage, x, y):
+    """Receives the output gradient but backprops ones instead (a plausible slip)."""
+    rank = dist.get_rank()
+    B, T = x.shape
+    inp = x
+    if not stage.first:
+        inp = torch.empty(B, T, stage.n_embd)
+        dist.recv(inp, src=rank - 1)
+        inp.requires_grad_()
+    out = stage(inp)
+    result = None
+    if stage.last:
+        loss = lm_loss(out, y)
+        loss.backward()
+        result = loss.item()
+    else:
+        dist.send(out.detach(), dst=rank + 1)
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=rank + 1)
+        out.backward(torch.ones_like(out))
+    if not stage.first:
+        dist.send(inp.grad, dst=rank - 1)
+    return result
+
+
+@pytest.mark.slow
+def test_stage_loop_check():
+    # the stub last: a rank that raises kills the pooled ranks, so the others reuse them
+    ch11.check_run_stage(exercise(SOL, "run_stage"))
+    with pytest.raises(CheckFailed, match="gradient of .* differs"):
+        ch11.check_run_stage(_ignores_received_grad)
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch11.check_run_stage(exercise(LAB, "run_stage"))
