@@ -14,9 +14,11 @@ Five bottlenecks show up as five shapes of that breakdown:
     input-bound       data is the largest part: the GPUs wait for the loader
     compute-bound     compute is the largest part: the healthy case
     all-reduce-bound  comm is the largest part and the ranks are balanced
-    straggler-bound   the slowest rank computes more than twice as long as the
-                      fastest; the fast ones show it as a long comm (they wait
-                      inside all-reduce for the slow one)
+    straggler-bound   the time the fast ranks spend waiting for the slowest
+                      (max - min compute) is larger than any real cost: the
+                      data time, the fast ranks' own compute, and the transfer
+                      itself (the smallest comm: the last rank to arrive does
+                      not wait). The fast ranks show the wait as a long comm.
     memory-bound      memory is nearly full (>= 90 %), which forces tiny
                       micro-batches or recompute; look at memory before time
 
@@ -77,7 +79,8 @@ def classify_bottleneck(profile: StepProfile) -> str:
     """One of: memory-bound, straggler-bound, input-bound, all-reduce-bound, compute-bound."""
     if profile.mem_frac >= 0.9:
         return "memory-bound"
-    if max(profile.compute) > 2.0 * min(profile.compute):
+    wait = max(profile.compute) - min(profile.compute)
+    if wait > max(profile.mean("data"), min(profile.compute), min(profile.comm)):
         return "straggler-bound"
     largest = max(("data", "compute", "comm"), key=profile.mean)
     return {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}[largest]

@@ -50,5 +50,19 @@ def test_largest_part_without_straggler_rule_fails():
         ch01.check_classify_bottleneck(largest_only)
 
 
+def test_compute_ratio_rule_fails():
+    # "slowest rank computes 2x the fastest" flags noise when compute is small
+    def ratio_rule(p):
+        if p.mem_frac >= 0.9:
+            return "memory-bound"
+        if max(p.compute) > 2 * min(p.compute):
+            return "straggler-bound"
+        part = max(("data", "compute", "comm"), key=p.mean)
+        return {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}[part]
+
+    with pytest.raises(CheckFailed, match="all-reduce-bound"):
+        ch01.check_classify_bottleneck(ratio_rule)
+
+
 def test_reference_classifier_passes():
     ch01.check_classify_bottleneck(classify_bottleneck)

@@ -59,6 +59,7 @@ PROFILES = [
     (_p([1, 1], [10, 10], [90, 92]), "all-reduce-bound"),
     (_p([1, 1], [8, 45], [40, 2]), "straggler-bound"),
     (_p([1, 1, 1], [10, 10, 50], [42, 41, 2]), "straggler-bound"),  # waiting looks like comm
+    (_p([1, 1], [5, 12], [100, 95]), "all-reduce-bound"),  # uneven compute, but comm dominates
     (_p([1, 1], [30, 31], [5, 6], mem=0.95), "memory-bound"),
     (_p([1, 1], [30, 31], [5, 6], mem=0.89), "compute-bound"),
 ]
