@@ -19,7 +19,8 @@ How it works
   started with the *spawn* method (a fresh interpreter, so CUDA is safe).
 * Starting a rank re-imports torch, about 2 s each on a small laptop. So the
   ranks are kept in a **pool** after a successful launch: the next launch with
-  the same world size and backend reuses them and costs a few milliseconds.
+  the same world size and backend reuses the processes (with a fresh process
+  group) and costs a few tens of milliseconds.
   After any failure the whole pool is killed; the next launch builds a new one.
 * Rendezvous: the caller owns a ``TCPStore`` listening on 127.0.0.1 on a port
   the operating system picks (port 0). Nothing is chosen then released, so two
@@ -323,7 +324,6 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int,
     sys.stderr = _PipeWriter(send, rank, "stderr")
     send(("ready",))
 
-    group_key = None  # (generation, pg timeout) of the current default group
     while True:
         try:
             task = cloudpickle.loads(conn.recv_bytes())
@@ -333,16 +333,15 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int,
             break
         _, generation, pg_timeout, seed, payload = task
         try:
-            if group_key != (generation, pg_timeout):
-                # A new default group when the timeout changes; each generation
-                # uses its own key prefix on the shared store.
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                dist.init_process_group(
-                    backend, store=dist.PrefixStore(f"gen{generation}", store),
-                    rank=rank, world_size=world_size,
-                    timeout=datetime.timedelta(seconds=pg_timeout))
-                group_key = (generation, pg_timeout)
+            # A fresh default group for every launch, under its own key prefix on
+            # the caller's store: subgroups or a half-finished collective left by
+            # one launch cannot leak into the next. On gloo this costs milliseconds.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(f"launch{generation}", store),
+                rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout))
             fn, args, kwargs = cloudpickle.loads(payload)
             base_seed, per_rank = seed
             _seed_everything(base_seed + rank if per_rank else base_seed)

@@ -215,3 +215,18 @@ def test_same_code_runs_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     # every process of the job gets every rank's result
     assert out.stdout.count("RESULT [(0, 2, 3.0), (1, 2, 3.0)]") == 2, out.stdout
+
+
+def test_every_launch_gets_a_fresh_group():
+    def leave_a_mess():
+        dist.new_group([0])            # a subgroup, left behind
+        dist.destroy_process_group()   # and no default group at all
+
+    launch(leave_a_mess, 2)
+
+    def total():
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return t.item()
+
+    assert launch(total, 2) == [2.0, 2.0]
