@@ -1,0 +1,378 @@
+"""FSDP: fully sharded data parallelism, one unit of modules at a time.
+
+FSDP is ZeRO stage 3 organised around *units* (Zhao et al. 2023, "PyTorch
+FSDP: Experiences on Scaling Fully Sharded Data Parallel", sec. 3). A wrap
+policy picks modules (here: each transformer ``Block``); each becomes a unit
+whose parameters are flattened into one buffer, padded to a multiple of the
+shard group size, and sharded: rank r keeps chunk r. Whatever the policy did
+not pick forms the *root* unit (embeddings, final LayerNorm, head).
+
+A unit's life in one training step (sec. 3.2, Figure 3):
+
+    forward:   all-gather its weights -> run its forward -> free them
+               (``reshard_after_forward=True``; False keeps them until backward,
+               trading memory for one all-gather less)
+    backward:  all-gather again -> run its backward -> reduce-scatter the
+               gradients (rank r gets the average of chunk r) -> free them
+
+Only one or two units are ever full at a time, so the peak weight memory is a
+shard of everything plus the largest units, not the whole model. The root
+unit is gathered when the model's forward starts and kept until its
+gradients are reduced (its embedding is used first in forward and last in
+backward, as FSDP2 does for the root).
+
+**Prefetch** (sec. 3.3.2): while unit i computes, the all-gather of the unit
+that runs next (i+1 in forward, i-1 in backward) is already issued
+asynchronously, so its communication hides under unit i's compute. Without
+prefetch each gather starts only when its unit is about to run, and the
+rank waits: that wait is *exposed communication* (chapter 16 measures it
+with ``helpers.overlap``).
+
+**Hybrid sharding** (HSDP, sec. 3.4): shard inside a group of ranks (a node,
+fast links) and replicate across groups. Gradients are reduce-scattered in
+the shard group, then all-reduced across the replicate group (only 1/S of
+the bytes cross the slow links). ``hybrid_groups`` builds both kinds of
+groups from one rank grid of shape (replicate, shard).
+
+The optimizer is PyTorch's own: each unit's shard is an ``nn.Parameter``
+(``FSDP.parameters()``) whose ``.grad`` is the averaged gradient chunk when
+``loss.backward()`` returns, so ``torch.optim.AdamW(fsdp.parameters())``
+updates exactly the elements this rank owns. Padding stays zero.
+
+How production differs: PyTorch's FSDP2 (``fully_shard``) shards each
+parameter separately as a DTensor along dim 0 (no flat buffer, so per-
+parameter optimizers and state dicts are easy), uses CUDA streams and events
+so gathers really run beside compute, supports mixed-precision policies, CPU
+offload, and copies-in / copies-out with fused kernels. FSDP1 used flat
+parameters like this module. Here: fp32 only, one process group per role, no
+offload.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
+                          reduce_scatter, ring_bytes_sent)
+
+__all__ = ["FSDP", "hybrid_grid", "hybrid_groups", "block_policy"]
+
+
+def block_policy(module: nn.Module) -> bool:
+    """Wrap each transformer block of ``helpers.model`` as a unit."""
+    from helpers.model import Block
+    return isinstance(module, Block)
+
+
+def hybrid_grid(world_size: int, shard_size: int) -> list[list[int]]:
+    """Ranks as a (replicate, shard) grid: row i is shard group i.
+
+    Column j (``[row[j] for row in grid]``) is replicate group j.
+    ``hybrid_grid(4, 2) -> [[0, 1], [2, 3]]``.
+    """
+    if shard_size < 1 or world_size % shard_size:
+        raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
+    grid = torch.arange(world_size).view(world_size // shard_size, shard_size)
+    return grid.tolist()
+
+
+def hybrid_groups(shard_size: int):
+    """(shard_group, replicate_group) of the calling rank. Collective: every
+    rank must call it (every rank takes part in creating every group)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = hybrid_grid(world, shard_size)
+    mine_shard = mine_rep = None
+    for row in grid:  # same creation order on every rank
+        g = dist.new_group(row)
+        if rank in row:
+            mine_shard = g
+    for j in range(shard_size):
+        col = [row[j] for row in grid]
+        g = dist.new_group(col)
+        if rank in col:
+            mine_rep = g
+    return mine_shard, mine_rep
+
+
+class _Unit:
+    """One FSDP unit: its parameters, a flat full buffer and this rank's shard."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter],
+                 shard_world: int, shard_rank: int):
+        self.name, self.module, self.params = name, module, params
+        self.part = FlatPartition([p.numel() for p in params], shard_world,
+                                  [list(range(len(params)))])
+        b = self.part.buckets[0]
+        self.bucket = b
+        self.full = torch.zeros(b.padded)  # (padded,): every rank's chunk back to back
+        for p, off in zip(params, b.offsets):
+            seg = self.full[off:off + p.numel()]
+            seg.copy_(p.detach().reshape(-1))
+            p.data = seg.view_as(p)  # p is now a window into `full`
+        self.shard = nn.Parameter(torch.zeros(b.chunk))  # (padded / S,)
+        self.rank = shard_rank
+        self.pending = None  # async all-gather in flight (a prefetch)
+        self.ready = 0       # parameters whose gradient arrived in this backward
+        self.reduced = False
+
+
+class FSDP(nn.Module):
+    """Shard ``model`` into units chosen by ``policy``; train with
+    ``torch.optim.AdamW(fsdp.parameters())``.
+
+    ``shard_group``: ranks that split each unit (default: all). With
+    ``replicate_group`` as well (see ``hybrid_groups``) it is hybrid sharding.
+    ``timeline``: a ``helpers.overlap.Timeline`` that records compute and
+    communication spans.
+    """
+
+    def __init__(self, model: nn.Module, policy: Callable[[nn.Module], bool] = block_policy,
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 shard_group=None, replicate_group=None, timeline=None):
+        super().__init__()
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("the model has no trainable parameters")
+        if replicate_group is not None and shard_group is None:
+            raise ValueError("hybrid sharding needs both shard_group and replicate_group "
+                             "(build them with hybrid_groups(shard_size))")
+        # Not registered as a submodule: fsdp.parameters() must yield only the
+        # shards (what the optimizer updates), not the model's gathered views.
+        self.__dict__["module"] = model
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.timeline = timeline
+        on = dist.is_available() and dist.is_initialized()
+        self.S = dist.get_world_size(shard_group) if on else 1
+        self.R = dist.get_world_size(replicate_group) if on and replicate_group else 1
+        self.shard_rank = dist.get_rank(shard_group) if on else 0
+        self._comm: dict[str, float] = {}
+        self._comm_last: dict[str, float] = {}
+        self._gathered_now = 0
+        self.peak_gathered_bytes = 0
+
+        # Units: policy-picked modules (outermost first, in registration order =
+        # forward order for a GPT), then the root with everything left over.
+        picked, taken = [], set()
+        for name, m in model.named_modules():
+            if m is model or not policy(m):
+                continue
+            if any(name.startswith(n + ".") for n, _ in picked):
+                continue  # nested inside an already picked unit
+            picked.append((name, m))
+        self.units: list[_Unit] = []
+        with torch.no_grad():
+            for name, m in picked:
+                ps = [p for p in m.parameters() if p.requires_grad and id(p) not in taken]
+                taken.update(id(p) for p in ps)
+                if ps:
+                    self.units.append(self._make_unit(name, m, ps))
+            rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+            self.root = self._make_unit("root", model, rest) if rest else None
+        self._shards = nn.ParameterList([u.shard for u in self._all_units()])
+
+        for i, u in enumerate(self.units):
+            u.module.register_forward_pre_hook(self._pre_forward(i))
+            u.module.register_forward_hook(self._post_forward(i))
+        if self.root is not None:
+            model.register_forward_pre_hook(self._root_pre_forward)
+        for u in self._all_units():
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._post_accumulate(u))
+        self._callback_queued = False
+        self._comm = {}
+
+    # ------------------------------------------------------------ set-up
+    def _make_unit(self, name, module, params) -> _Unit:
+        u = _Unit(name, module, params, self.S, self.shard_rank)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(u.full, src=0)  # same start on every rank
+        c = u.bucket.chunk
+        u.shard.data.copy_(u.full[u.rank * c:(u.rank + 1) * c])
+        _free(u.full)
+        return u
+
+    def _all_units(self) -> list[_Unit]:
+        return self.units + ([self.root] if self.root is not None else [])
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return super().train(mode)
+
+    # ------------------------------------------------------------ gather/free
+    def _gather(self, u: _Unit, async_op: bool = False) -> None:
+        if u.pending is not None:
+            if not async_op:  # someone needs it now: wait for the prefetch
+                self._wait(u.pending, f"all-gather {u.name}")
+                u.pending = None
+            return
+        if _is_allocated(u.full):
+            return
+        _alloc(u.full)
+        self._gathered_now += u.full.numel() * 4
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
+        self._count("all_gather", u.full.numel() * 4, self.S)
+        if self.S == 1:
+            u.full.copy_(u.shard.detach())
+            return
+        t0 = time.perf_counter()
+        work = all_gather(u.full, u.shard.detach(), group=self.shard_group, async_op=True)
+        self._record_comm(work, f"all-gather {u.name}", t0)
+        if async_op:
+            u.pending = work
+        else:
+            self._wait(work, f"all-gather {u.name}")
+
+    def _free(self, u: _Unit) -> None:
+        if _is_allocated(u.full):
+            self._gathered_now -= u.full.numel() * 4
+            _free(u.full)
+
+    def _wait(self, work, name) -> None:
+        """Block until ``work`` is done; the blocked time is exposed communication."""
+        t0 = time.perf_counter()
+        work.wait()
+        if self.timeline is not None:
+            self.timeline.add("wait", name, t0, time.perf_counter())
+            self.timeline.poll()
+
+    def _record_comm(self, work, name, t0):
+        if self.timeline is not None:
+            self.timeline.poll()
+            self.timeline.comm(work, name, t0)
+
+    # ------------------------------------------------------------ hooks
+    def _root_pre_forward(self, module, args):
+        self._gather(self.root)
+        if self.prefetch and self.units:
+            self._gather(self.units[0], async_op=True)
+
+    def _pre_forward(self, i):
+        def hook(module, args):
+            u = self.units[i]
+            self._gather(u)
+            if self.prefetch and i + 1 < len(self.units):
+                self._gather(self.units[i + 1], async_op=True)
+            if self.timeline is not None:
+                u.t_fwd = time.perf_counter()
+        return hook
+
+    def _post_forward(self, i):
+        def hook(module, args, out):
+            u = self.units[i]
+            if self.timeline is not None:
+                self.timeline.add("compute", f"forward {u.name}", u.t_fwd, time.perf_counter())
+            if self.reshard_after_forward:
+                self._free(u)
+            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: self._pre_backward(i))
+            return None
+        return hook
+
+    def _pre_backward(self, i) -> None:
+        if not self._callback_queued:
+            # Runs once backward has finished: wait for every reduce-scatter.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        u = self.units[i]
+        self._gather(u)
+        if self.prefetch and i > 0:
+            self._gather(self.units[i - 1], async_op=True)
+        if self.timeline is not None:
+            u.t_bwd = time.perf_counter()
+
+    def _post_accumulate(self, u: _Unit):
+        def hook(p):
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                self._callback_queued = True
+            u.ready += 1
+            if u.ready == len(u.params):
+                self._reduce(u)
+        return hook
+
+    def _reduce(self, u: _Unit) -> None:
+        """Average this unit's gradients: reduce-scatter in the shard group,
+        then (hybrid) all-reduce the chunk across the replicate group."""
+        if self.timeline is not None and hasattr(u, "t_bwd"):
+            self.timeline.add("compute", f"backward {u.name}", u.t_bwd, time.perf_counter())
+        b = u.bucket
+        buf = torch.zeros(b.padded)  # padding stays 0
+        for p, off in zip(u.params, b.offsets):
+            if p.grad is not None:
+                buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        buf.div_(self.S * self.R)  # mean over every data-parallel rank
+        out = torch.empty(b.chunk)
+        self._count("reduce_scatter", buf.numel() * 4, self.S)
+        if self.S > 1:
+            t0 = time.perf_counter()
+            work = reduce_scatter(out, buf, group=self.shard_group, async_op=True)
+            self._record_comm(work, f"reduce-scatter {u.name}", t0)
+        else:
+            out.copy_(buf)
+            work = None
+        u.reduce_state = (work, out, buf)
+        u.reduced = True
+        self._free(u)
+
+    def _finish_backward(self) -> None:
+        for u in self._all_units():
+            if not u.reduced:  # parameters that got no gradient: reduce zeros
+                self._reduce(u)
+        for u in self._all_units():
+            work, out, _ = u.reduce_state
+            if work is not None:
+                self._wait(work, f"reduce-scatter {u.name}")
+            if self.R > 1:
+                t0 = time.perf_counter()
+                work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
+                self._record_comm(work, f"all-reduce {u.name}", t0)
+                self._wait(work, f"all-reduce {u.name}")
+                self._count("all_reduce", out.numel() * 4, self.R)
+            if u.shard.grad is None:
+                u.shard.grad = out
+            else:
+                u.shard.grad.add_(out)  # gradient accumulation over backwards
+            u.ready, u.reduced, u.reduce_state = 0, False, None
+            if u.pending is not None:  # a prefetch nobody used
+                self._wait(u.pending, f"all-gather {u.name}")
+                u.pending = None
+            self._free(u)
+        self._callback_queued = False
+        self._comm_last, self._comm = self._comm, {}
+
+    def _count(self, op, nbytes, n):
+        self._comm[op] = self._comm.get(op, 0.0) + ring_bytes_sent(op, nbytes, n)
+
+    # ------------------------------------------------------------ inspection
+    def comm_bytes(self) -> dict[str, float]:
+        """Bytes this rank sent in the last forward + backward, by collective (ring model)."""
+        out = dict(self._comm_last)
+        out["total"] = sum(self._comm_last.values())
+        return out
+
+    def sharded_numel(self) -> int:
+        return sum(u.shard.numel() for u in self._all_units())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full (all-gathers each unit). Collective."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = {}
+        with torch.no_grad():
+            for u in self._all_units():
+                was = _is_allocated(u.full)
+                self._gather(u)
+                for p in u.params:
+                    out[names[id(p)]] = p.detach().clone()
+                if not was:
+                    self._free(u)
+        self._comm = {}
+        return out

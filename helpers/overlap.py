@@ -1,0 +1,183 @@
+"""Timelines of compute and communication, and how much communication shows.
+
+A step's communication is either *hidden* (it runs while the rank computes
+something else, as DDP's bucket all-reduces do during backward) or *exposed*
+(the rank has nothing to compute and waits). Only exposed communication adds
+to step time, so that is the number to measure, not the bytes alone
+(Li et al. 2020, "PyTorch Distributed", sec. 3.2.3, on overlapping
+all-reduce with backward; Zhao et al. 2023, "PyTorch FSDP", sec. 3.3.2, on
+prefetching all-gathers).
+
+``Timeline`` records spans on three lanes with ``time.perf_counter()``:
+``"compute"`` (a unit's forward or backward), ``"comm"`` (a collective in
+flight) and ``"wait"`` (the training thread blocked until a collective
+finishes). A communication span starts when the collective is
+issued and ends when it completes: ``Timeline.comm(work, name)`` attaches a
+callback to the async work's future, which runs on the communication thread
+as soon as the data has arrived, so the end time is not delayed by the
+moment we happen to ``wait()``. Gloo's reduce-scatter has no future; its
+span is closed by ``Timeline.poll()`` at the next hook that finds it
+completed, so its end is accurate to the next hook.
+
+    exposed = | union(wait spans) |       hidden = | union(comm) | - exposed
+
+Waiting is the cost communication adds to the step: while the thread waits
+nothing else runs. (Counting "comm not covered by compute spans" instead
+would need compute spans covering every operator, the loss and the optimizer
+included; the wait lane needs only the few places that block.) On a GPU the two lanes are CUDA
+streams; on a CPU with gloo they are the Python thread and gloo's threads,
+which share the cores, so "hidden" work still slows compute a little: the
+metric counts time, not cores.
+
+``export_trace`` runs a function under ``torch.profiler`` and writes a Chrome
+trace JSON that opens in Perfetto (https://ui.perfetto.dev) or
+chrome://tracing: every operator, every ``record_function`` label, every gloo
+collective.
+
+How production differs: PyTorch's profiler and Nsight Systems read GPU
+streams directly; Megatron-LM and torchtitan log per-step exposed
+communication from CUDA events. The interval arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterable
+
+import torch
+
+__all__ = ["Timeline", "union_length", "exposed_comm", "ddp_timeline", "plot_timelines",
+           "export_trace"]
+
+
+class Timeline:
+    """Spans on named lanes: ``events`` is a list of dicts
+    ``{"lane", "name", "start", "end"}`` (seconds, ``perf_counter`` clock)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._polled: list = []
+        self._lock = threading.Lock()
+
+    def add(self, lane: str, name: str, start: float, end: float) -> None:
+        if end < start:
+            raise ValueError(f"span {name!r} ends ({end}) before it starts ({start})")
+        with self._lock:
+            self.events.append({"lane": lane, "name": name, "start": start, "end": end})
+
+    @contextlib.contextmanager
+    def span(self, lane: str, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(lane, name, t0, time.perf_counter())
+
+    def comm(self, work, name: str, start: float | None = None) -> None:
+        """Record an async collective from ``start`` (default now) to its completion."""
+        t0 = time.perf_counter() if start is None else start
+        try:
+            fut = work.get_future()
+        except RuntimeError:
+            # Some gloo collectives (reduce-scatter) have no future: poll()
+            # closes their span at the next hook that sees them completed.
+            self._polled.append((work, name, t0))
+            return
+        fut.add_done_callback(lambda _: self.add("comm", name, t0, time.perf_counter()))
+
+    def poll(self) -> None:
+        """Close the spans of future-less collectives that have completed."""
+        now, still = time.perf_counter(), []
+        for work, name, t0 in self._polled:
+            if work.is_completed():
+                self.add("comm", name, t0, now)
+            else:
+                still.append((work, name, t0))
+        self._polled = still
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+    def exposed_comm(self) -> dict[str, float]:
+        return exposed_comm(self.events)
+
+
+def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def union_length(spans: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping [start, end) spans."""
+    return sum(b - a for a, b in _merge(spans))
+
+
+def exposed_comm(events: list[dict]) -> dict[str, float]:
+    """Seconds of communication in flight (union), exposed (the thread
+    waited) and hidden (the rest: it ran while the thread computed)."""
+    total = union_length((e["start"], e["end"]) for e in events if e["lane"] == "comm")
+    exposed = union_length((e["start"], e["end"]) for e in events if e["lane"] == "wait")
+    return {"total": total, "exposed": exposed, "hidden": max(0.0, total - exposed)}
+
+
+def ddp_timeline(ddp_events: list[dict], backward_start: float, backward_end: float) -> list[dict]:
+    """``BucketedDDP.timeline`` (bucket, event, t) -> Timeline events: one comm
+    span per bucket (launched -> finished), backward as one compute span from
+    ``backward_start`` to the last gradient ("ready"), and the wait from there
+    until the last bucket finished (``loss.backward()`` returns after it)."""
+    launched = {e["bucket"]: e["t"] for e in ddp_events if e["event"] == "launched"}
+    last_ready = max((e["t"] for e in ddp_events if e["event"] == "ready"), default=backward_end)
+    out = [{"lane": "compute", "name": "backward", "start": backward_start, "end": last_ready}]
+    for e in ddp_events:
+        if e["event"] == "finished" and e["bucket"] in launched:
+            out.append({"lane": "comm", "name": f"all-reduce bucket {e['bucket']}",
+                        "start": launched[e["bucket"]], "end": e["t"]})
+    last_finish = max((e["end"] for e in out if e["lane"] == "comm"), default=last_ready)
+    if last_finish > last_ready:
+        out.append({"lane": "wait", "name": "wait for buckets", "start": last_ready,
+                    "end": last_finish})
+    return out
+
+
+def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
+    """Gantt chart: three rows (compute, comm, wait) per rank, time in ms
+    from the earliest event."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.9 + 0.9 * len(timelines)))
+    t0 = min(e["start"] for tl in timelines for e in tl)
+    colors = {"compute": "tab:blue", "comm": "tab:orange", "wait": "tab:red"}
+    lanes = ("compute", "comm", "wait")
+    yticks, labels = [], []
+    for r, tl in enumerate(timelines):
+        for j, lane in enumerate(lanes):
+            y = -(len(lanes) * r + j)
+            spans = [((e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3)
+                     for e in tl if e["lane"] == lane]
+            ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane], alpha=0.8)
+            yticks.append(y)
+            labels.append(f"rank {r} {lane}")
+    ax.set_yticks(yticks, labels)
+    ax.set_xlabel("ms")
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def export_trace(fn: Callable[[], object], path: str) -> str:
+    """Run ``fn()`` under torch.profiler (CPU) and write a Chrome/Perfetto trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    prof.export_chrome_trace(str(path))
+    return str(path)

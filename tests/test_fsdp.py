@@ -1,0 +1,144 @@
+"""helpers.fsdp against one process on the global batch, PyTorch FSDP2 and DDP."""
+
+import copy
+
+import pytest
+import torch
+
+from helpers import launch, rank_info
+from helpers.data import make_dataset
+from helpers.ddp import BucketedDDP
+from helpers.fsdp import FSDP, hybrid_grid, hybrid_groups
+from helpers.model import Block, build_model
+from helpers.overlap import Timeline
+
+LR, STEPS, B = 1e-3, 3, 2
+
+
+def _train(configs):
+    """Each config trains the toy GPT for STEPS steps on this rank's slice;
+    returns max |w - w_single| and the per-rank measurements."""
+    r = rank_info()
+    N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
+    ds = make_dataset(num_sequences=64, seq_len=16)
+    batches = [ds.batch(list(range(s * B * N, (s + 1) * B * N))) for s in range(STEPS)]
+    single = build_model("toy", seed=0)
+    o = torch.optim.AdamW(single.parameters(), lr=LR, foreach=False)
+    for x, y in batches:
+        single(x, y)[1].backward(); o.step(); o.zero_grad()
+    ref = dict(single.named_parameters())
+    out = {}
+    for name in configs:
+        model = build_model("toy", seed=r.rank)  # ranks start different: broadcast needed
+        kind = name.split(":")[0]
+        tl = Timeline()
+        if kind == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            model = build_model("toy", seed=0)  # FSDP2 does not broadcast
+            for blk in model.blocks:
+                fully_shard(blk)
+            fully_shard(model)
+            wrapped, params = model, model.parameters()
+        elif kind == "ddp":
+            wrapped = BucketedDDP(model)
+            params = model.parameters()
+        else:
+            kw = {"nopf": dict(prefetch=False), "keep": dict(reshard_after_forward=False),
+                  "fsdp": {}}.get(kind, {})
+            if kind == "hybrid":
+                sg, rg = hybrid_groups(2)
+                kw = dict(shard_group=sg, replicate_group=rg)
+            wrapped = FSDP(model, timeline=tl, **kw)
+            params = wrapped.parameters()
+        opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+        for x, y in batches:
+            wrapped(x[lo:hi], y[lo:hi])[1].backward(); opt.step(); opt.zero_grad()
+        if kind == "fsdp2":
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        elif kind == "ddp":
+            full = dict(model.named_parameters())
+        else:
+            full = wrapped.full_parameters()
+        res = {n: full[n].detach() for n in ref}
+        out[name] = dict(
+            diff=max((res[n] - ref[n]).abs().max().item() for n in ref), params=res,
+            comm=getattr(wrapped, "comm_bytes", dict)(),
+            peak=getattr(wrapped, "peak_gathered_bytes", None),
+            shard=getattr(wrapped, "sharded_numel", lambda: None)(),
+            lanes={e["lane"] for e in tl.events})
+    return out
+
+
+def _check_against_single(results):
+    for rank_res in results:
+        for name, res in rank_res.items():
+            # One process sums the global batch's per-example gradients in a
+            # different order than the ranks do: fp32 rounding in the gradient,
+            # at most 0.2% of one AdamW step (lr = 1e-3) after 3 steps.
+            assert res["diff"] < 2e-6, (name, res["diff"])
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_equals_single_fsdp2_and_ddp():
+    results = launch(_train, 2, ["fsdp", "nopf", "keep", "fsdp2", "ddp"], timeout=120)
+    _check_against_single(results)
+    r0 = results[0]
+    for name in ("nopf", "keep", "fsdp2", "ddp"):
+        for n, p in r0["fsdp"]["params"].items():
+            # Two ranks: every reduction is a + b (commutative in IEEE), the
+            # optimizer is torch's AdamW in each case: bitwise equal.
+            assert torch.equal(p, r0[name]["params"][n]), (name, n)
+    n = sum(p.numel() for p in build_model("toy").parameters())
+    # Memory: a rank holds a shard of every unit (~Psi / N) plus the units
+    # gathered at once. Without prefetch: root + one block; DDP holds Psi.
+    assert r0["fsdp"]["shard"] * 2 <= n + 2 * 3 * 2
+    toy = build_model("toy")
+    block = sum(p.numel() for p in toy.blocks[0].parameters())
+    root = n - 2 * block
+    assert r0["nopf"]["peak"] <= 4 * (root + block + 4)
+    assert r0["nopf"]["peak"] < 4 * n
+    # Volume: gather in forward and backward + reduce-scatter; the root stays
+    # gathered from forward to backward so it is gathered once:
+    # (2 Psi + 2 blocks) / (2 Psi) of DP's all-reduce.
+    dp = 2 * (2 - 1) / 2 * 4 * n
+    ratio = r0["fsdp"]["comm"]["total"] / dp
+    assert ratio == pytest.approx((2 * n + 2 * block) / (2 * n), rel=2e-3)
+    assert r0["keep"]["comm"]["total"] / dp == pytest.approx(1.0, rel=2e-3)
+    assert {"compute", "comm", "wait"} <= r0["fsdp"]["lanes"]
+
+
+@pytest.mark.slow
+def test_fsdp_three_and_four_ranks_and_hybrid():
+    # 3 ranks: unit sizes do not divide by 3, so every unit is padded.
+    _check_against_single(launch(_train, 3, ["fsdp"], timeout=120))
+    results = launch(_train, 4, ["fsdp", "hybrid"], timeout=120)
+    _check_against_single(results)
+    # hybrid: shards over 2 ranks, so each rank holds twice the shard of full sharding
+    assert results[0]["hybrid"]["shard"] == pytest.approx(2 * results[0]["fsdp"]["shard"], rel=1e-2)
+    for name in ("fsdp", "hybrid"):  # every rank ends with the same weights
+        for n, p in results[0][name]["params"].items():
+            for rr in results[1:]:
+                assert torch.equal(p, rr[name]["params"][n])
+
+
+def test_world_size_one_and_grid():
+    model, ref = build_model("toy", seed=0), build_model("toy", seed=0)
+    f = FSDP(model)
+    assert [u.module for u in f.units] == list(model.blocks)
+    opt = torch.optim.AdamW(f.parameters(), lr=1e-2, foreach=False)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        f(x, x)[1].backward(); opt.step(); opt.zero_grad()
+        ref(x, x)[1].backward(); ropt.step(); ropt.zero_grad()
+    full = f.full_parameters()
+    for n, p in ref.named_parameters():
+        assert torch.equal(full[n], p), n
+    assert hybrid_grid(4, 2) == [[0, 1], [2, 3]]
+    assert hybrid_grid(6, 3) == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="divide"):
+        hybrid_grid(4, 3)
+    with pytest.raises(ValueError, match="trainable"):
+        FSDP(build_model("toy").requires_grad_(False))
+    with pytest.raises(ValueError, match="hybrid"):
+        FSDP(build_model("toy"), replicate_group=object())
