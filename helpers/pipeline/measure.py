@@ -1,0 +1,156 @@
+"""Measure schedules on real ranks: timelines, bubble, step time; ours and PyTorch's.
+
+``time_schedule`` is a rank function (call it through ``launch``): it splits the
+GPT into stages, runs a few steps of one schedule with our executor or with
+``torch.distributed.pipelining`` on the *same* split, and returns the step
+times, the last step's timeline, the peak stash and the loss. ``measured_bubble``
+turns the ranks' timelines into a bubble fraction defined exactly as the
+simulator defines it: 1 - busy / (p * makespan).
+
+What "busy" means here: the time a rank spends in its forward or backward
+compute, from the moment its input has arrived. Waiting for a receive is idle,
+as on a GPU. On a laptop with fewer cores than ranks, ranks also wait for a
+core; that shows up as longer compute, not as bubble, so run p <= cores when
+you compare with the formula.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from helpers.pipeline.schedules import Action
+
+__all__ = ["measured_bubble", "median_bubble", "time_schedule", "make_schedule", "layer_costs"]
+
+
+def make_schedule(kind: str, p: int, m: int, v: int = 1):
+    from helpers.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b
+
+    if kind == "gpipe":
+        return gpipe(p, m)
+    if kind == "1f1b":
+        return one_f_one_b(p, m)
+    if kind == "interleaved":
+        return interleaved_1f1b(p, m, v)
+    raise ValueError(f"kind must be 'gpipe', '1f1b' or 'interleaved', got {kind!r}")
+
+
+def median_bubble(results: list[dict]) -> tuple[float, list]:
+    """Median bubble over the timed steps of ``launch(time_schedule, ...)``'s results,
+    and the timeline of the step with that median (for a Gantt chart)."""
+    per_step = [measured_bubble([r["timelines"][i] for r in results])
+                for i in range(len(results[0]["timelines"]))]
+    order = sorted(range(len(per_step)), key=lambda i: per_step[i][2])
+    mid = per_step[order[len(order) // 2]]
+    return mid[2], mid[0]
+
+
+def measured_bubble(timelines: list[list[tuple[float, float, Action]]]):
+    """(intervals shifted to start at 0, makespan, bubble fraction) of per-rank timelines
+    taken on one machine (time.perf_counter is one clock for all its processes)."""
+    t0 = min(s for row in timelines for s, _, _ in row)
+    shifted = [[(s - t0, e - t0, a) for s, e, a in row] for row in timelines]
+    span = max(e for row in shifted for _, e, _ in row)
+    busy = sum(e - s for row in shifted for s, e, _ in row)
+    return shifted, span, 1.0 - busy / (len(timelines) * span)
+
+
+def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: str = "toy",
+                  n_layer: int = 8, microbatch_size: int = 8, seq_len: int = 32,
+                  steps: int = 4, threads: int = 1) -> dict:
+    """Rank function. ``engine``: "ours" (helpers.pipeline.executor) or "torch"
+    (torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B /
+    ScheduleInterleaved1F1B). The first step is a warm-up and is not timed."""
+    from helpers import rank_info
+    from helpers.model import build_model, lm_loss
+    from helpers.pipeline.executor import pipeline_step, split_model, sync_tied_grads
+
+    torch.set_num_threads(threads)
+    info = rank_info()
+    p, rank = info.world_size, info.rank
+    device = torch.device(info.device)
+    model = build_model(size, n_layer=n_layer)
+    chunks = [c.to(device) for c in split_model(model, p, v)[rank]]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, (m * microbatch_size, seq_len), generator=g)
+    y = torch.randint(0, model.config.vocab_size, (m * microbatch_size, seq_len), generator=g)
+    x, y = x.to(device), y.to(device)
+    sched = make_schedule(kind, p, m, v)
+    params = [q for c in chunks for q in c.parameters()]
+
+    if engine == "torch":
+        from torch.distributed import pipelining as pp
+
+        stages = [pp.PipelineStage(c, c_idx * p + rank, p * v, device)
+                  for c_idx, c in enumerate(chunks)]
+        cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B,
+               "interleaved": pp.ScheduleInterleaved1F1B}[kind]
+        runner = cls(stages if kind == "interleaved" else stages[0], m, loss_fn=lm_loss)
+
+        def step():
+            losses = []
+            kwargs = {}
+            if any(c.last for c in chunks):
+                kwargs = dict(target=y, losses=losses)
+            args = (x,) if any(c.first for c in chunks) else ()
+            runner.step(*args, **kwargs)
+            sync_tied_grads(chunks, p)
+            return (float(torch.stack([l.detach() for l in losses]).mean()) if losses else None,
+                    None, None)
+    else:
+        def step():
+            res = pipeline_step(chunks, sched, x, y)
+            return res.loss, res.timeline, res.peak_stash
+
+    times, timelines, out = [], [], None
+    for i in range(steps + 1):
+        for q in params:
+            q.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = step()
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - t0)
+            timelines.append(out[1])
+    loss, _, stash = out
+    # step_time: median over the timed steps; timelines: one per timed step
+    return dict(step_time=statistics.median(times), step_times=times, loss=loss,
+                timelines=timelines, peak_stash=stash)
+
+
+def layer_costs(model, x: torch.Tensor, y: torch.Tensor, repeats: int = 5) -> dict:
+    """Measured forward + backward seconds of the embedding, each block and the head
+    (with the loss) of ``model`` on one batch, single process; the fastest of
+    ``repeats`` runs (on a shared machine the fastest run is the least disturbed).
+
+    ``per_block`` folds the embedding into block 0 and the head into the last block,
+    because those are the stages that run them: pass it to ``split_model(...,
+    layer_costs=...)`` or ``partition``."""
+    from helpers.model import lm_loss
+
+    def timed(fn, inp):
+        out_times = []
+        for i in range(repeats + 1):  # the first run warms up allocator and kernels
+            a = inp.detach().requires_grad_(inp.is_floating_point())
+            t0 = time.perf_counter()
+            out = fn(a)
+            (out if out.dim() == 0 else out.float().square().mean()).backward()
+            if i:
+                out_times.append(time.perf_counter() - t0)
+        return min(out_times)
+
+    with torch.no_grad():
+        h = model.embed(x)
+    embed = timed(model.embed, x)
+    blocks = [timed(b, h) for b in model.blocks]
+    head = timed(lambda a: lm_loss(model.head(a), y), h)
+    model.zero_grad(set_to_none=True)
+    per_block = list(blocks)
+    per_block[0] += embed
+    per_block[-1] += head
+    return dict(embed=embed, blocks=blocks, head=head, per_block=per_block)
