@@ -1,0 +1,83 @@
+"""Chapter 04's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
+
+import pytest
+
+from helpers.checks import CheckFailed, ch04
+from helpers.ddp import BucketedDDP
+from tools.nbtool import exercise
+
+LAB, SOL = "labs/04_ddp_buckets.ipynb", "solutions/04_ddp_buckets.ipynb"
+
+
+def _forward_order(sizes, cap, first):  # buckets in registration order
+    buckets, cur, filled = [], [], 0
+    for i, s in enumerate(sizes):
+        cur.append(i)
+        filled += s
+        if filled >= (first if not buckets else cap):
+            buckets.append(cur)
+            cur, filled = [], 0
+    return buckets + ([cur] if cur else [])
+
+
+def _no_first_cap(sizes, cap, first):  # ignores the small first bucket
+    buckets, cur, filled = [], [], 0
+    for i in reversed(range(len(sizes))):
+        cur.append(i)
+        filled += sizes[i]
+        if filled >= cap:
+            buckets.append(cur)
+            cur, filled = [], 0
+    return buckets + ([cur] if cur else [])
+
+
+def test_bucket_assignment(capsys):
+    ch04.check_assign_buckets(exercise(SOL, "assign_buckets"))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch04.check_assign_buckets(exercise(LAB, "assign_buckets"))
+    with pytest.raises(CheckFailed, match="reverse"):
+        ch04.check_assign_buckets(_forward_order)
+    with pytest.raises(CheckFailed, match="first_cap_bytes"):
+        ch04.check_assign_buckets(_no_first_cap)
+
+
+class _LaunchWhenReady(BucketedDDP):
+    """Launches a bucket the moment it is complete, out of order if need be."""
+
+    def on_grad_ready(self, param):
+        b = self.bucket_of_param[id(param)]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.record(b, "ready")
+            self._launch(b)
+            if b == self.next_bucket:
+                self.next_bucket += 1
+                while self.next_bucket < len(self.buckets) and \
+                        self.futures[self.next_bucket] is not None:
+                    self.next_bucket += 1
+
+
+class _LaunchAtEnd(BucketedDDP):
+    """Counts and records, but leaves every launch to the end of backward: no overlap."""
+
+    def on_grad_ready(self, param):
+        b = self.bucket_of_param[id(param)]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.record(b, "ready")
+
+
+def test_hook_stub_fails_without_starting_ranks():
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch04.check_grad_ready_hook(exercise(LAB, "MyDDP"))
+
+
+@pytest.mark.slow
+def test_hook_solution_passes_and_mistakes_fail(capsys):
+    ch04.check_grad_ready_hook(exercise(SOL, "MyDDP"))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="in the order"):
+        ch04.check_grad_ready_hook(_LaunchWhenReady)
+    with pytest.raises(CheckFailed, match="no overlap"):
+        ch04.check_grad_ready_hook(_LaunchAtEnd)
