@@ -124,3 +124,16 @@ def test_peak_drops_as_backward_frees():
 def test_sdpa_not_explained():
     with pytest.raises(ValueError, match="attention='manual'"):
         explain_saved_bytes(build_model("toy", attention="sdpa").config, 2, 8)
+
+
+def test_widget_and_plot_build():
+    import matplotlib
+    matplotlib.use("Agg")
+    from helpers.memory import memory_widget, plot_memory_bars
+    box = memory_widget("7B (Llama 2)")
+    controls = box.children[0].children
+    assert len(controls) == 11
+    controls[5].value = 8                      # TP 8 over 32 heads: fine
+    ax = plot_memory_bars({"a": training_memory(7e9, seq=1024, micro_batch=1, hidden=4096,
+                                                heads=32, layers=32)})
+    assert len(ax.patches) == 4                # one stacked bar, four parts

@@ -149,3 +149,21 @@ def test_fp8_errors():
         quantize(torch.ones(2), torch.bfloat16, 1.0)
     with pytest.raises(ValueError, match="history_len must be a positive int"):
         DelayedScaling(history_len=0)
+
+
+def test_emulated_gemm_matches_scaled_mm():
+    import helpers.precision as prec
+    from helpers.precision import fp8_gemm
+    a8 = (torch.randn(32, 64) * 4).to(E4M3)
+    b8 = (torch.randn(64, 48) * 2).to(E5M2)
+    sa, sb = torch.tensor(4.0), torch.tensor(2.0)
+    real = fp8_gemm(a8, b8, sa, sb, torch.float32)
+    saved = dict(prec._SCALED_MM_OK)
+    prec._SCALED_MM_OK["cpu"] = False
+    try:
+        emulated = fp8_gemm(a8, b8, sa, sb, torch.float32)
+    finally:
+        prec._SCALED_MM_OK.clear()
+        prec._SCALED_MM_OK.update(saved)
+    # products of FP8 values are exact in fp32; only the summation order may differ
+    torch.testing.assert_close(real, emulated, rtol=1e-5, atol=1e-5)
