@@ -54,10 +54,12 @@ def strip_solutions(source: str) -> str:
 def make_lab(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     lab = nbformat.v4.new_notebook(metadata=solution.metadata)
     for cell in solution.cells:
+        # execution timestamps belong to the executed solution, not to the lab
+        meta = {k: v for k, v in cell.metadata.items() if k != "execution"}
         if cell.cell_type == "code":
-            new = nbformat.v4.new_code_cell(strip_solutions(cell.source), metadata=cell.metadata)
+            new = nbformat.v4.new_code_cell(strip_solutions(cell.source), metadata=meta)
         else:
-            new = nbformat.v4.new_markdown_cell(cell.source, metadata=cell.metadata)
+            new = nbformat.v4.new_markdown_cell(cell.source, metadata=meta)
             if cell.get("attachments"):
                 new["attachments"] = cell.attachments
         new.pop("id", None)
@@ -100,7 +102,7 @@ def run(paths: list[str], timeout: int = 600) -> int:
         nb = nbformat.read(path, as_version=4)
         start = time.perf_counter()
         try:
-            NotebookClient(nb, timeout=timeout, kernel_name="python3",
+            NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                            resources={"metadata": {"path": str(ROOT)}}).execute()
         except Exception as exc:  # keep going; report at the end
             failed += 1
