@@ -5,11 +5,13 @@ bits halves the bytes of every stored activation and doubles (fp16/bf16 vs
 fp32) or quadruples (FP8) the tensor-core FLOP rate, at the price of range
 and resolution.
 
-fp16 and dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision
+fp16 and loss scaling (Micikevicius et al. 2018, "Mixed Precision
 Training", sec. 3.2). fp16's smallest subnormal is 2^-24 (about 6e-8); small
 gradients fall below it and become exactly 0. Multiplying the loss by S
 multiplies every gradient by S (backward is linear), lifting them into range;
-the optimizer divides by S again in fp32. S is chosen on line:
+the optimizer divides by S again in fp32. The paper also skips the update
+when a gradient overflows; the *dynamic* schedule that picks S on line (used
+by NVIDIA's mixed-precision tooling and ``torch.amp.GradScaler``) is:
 
     a step with an inf/nan gradient   skip the update, S *= backoff (0.5), reset counter
     ``growth_interval`` clean steps    S *= growth (2.0)
@@ -18,18 +20,19 @@ the optimizer divides by S again in fp32. S is chosen on line:
 (tests compare the two on the same finite/non-finite sequence). bf16 keeps
 fp32's 8 exponent bits, so it needs no scaling; that is why it won.
 
-FP8 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", sec. 2,
+FP8 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", sec. 3,
 Table 1): two formats of one byte,
 
     E4M3  4 exponent, 3 mantissa bits, max 448     weights and activations (forward)
     E5M2  5 exponent, 2 mantissa bits, max 57344   gradients (backward: range over precision)
 
 Eight bits hold too little range for raw tensors, so each tensor gets a
-scale: x8 = cast(x * scale), x ~ x8 / scale, with scale = fp8_max / amax so
-the largest magnitude lands at the top of the format. Computing amax needs a
-pass over the tensor before casting it; *delayed scaling* (sec. 4.3 of the
-same paper; NVIDIA Transformer Engine's default recipe) instead uses the amax
-of *previous* steps, kept in a short history:
+scale (the paper's sec. 2 leaves how to pick it to software): x8 =
+cast(x * scale), x ~ x8 / scale, with scale = fp8_max / amax so the largest
+magnitude lands at the top of the format. Computing amax needs a pass over
+the tensor before casting it; *delayed scaling* (NVIDIA Transformer Engine's
+default ``DelayedScaling`` recipe) instead uses the amax of *previous* steps,
+kept in a short history:
 
     scale_t = fp8_max / max(amax_history) / 2^margin     (algo "max")
     scale_t = fp8_max / amax_{t-1} / 2^margin           (algo "most_recent")
@@ -77,7 +80,7 @@ def _f32(x: float) -> float:
 
 
 class DynamicLossScaler:
-    """Loss scaling with the update rule of Micikevicius et al. 2018, sec. 3.2.
+    """Loss scaling (Micikevicius et al. 2018, sec. 3.2) with GradScaler's dynamic schedule.
 
         loss_scaled = scaler.scale(loss); loss_scaled.backward()
         stepped = scaler.step(optimizer, params)   # unscale, skip on inf/nan
@@ -223,8 +226,8 @@ def fp8_round_trip(x: torch.Tensor, dtype=E4M3) -> torch.Tensor:
 
 def update_delayed_scale(amax_history: torch.Tensor, new_amax, scale, *, fp8_max: float,
                          margin: int = 0, algo: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
-    """One delayed-scaling step (Micikevicius et al. 2022, sec. 4.3; Transformer Engine's
-    DelayedScaling recipe). Pure function.
+    """One delayed-scaling step, as in Transformer Engine's ``DelayedScaling`` recipe
+    (amax_history_len, amax_compute_algo "max" / "most_recent", margin). Pure function.
 
     amax_history: (H,) most recent first. Returns (history with ``new_amax``
     pushed in front and the oldest dropped, scale for the next step):
@@ -323,7 +326,8 @@ def fp8_gemm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b:
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x W^T + b with FP8 GEMMs in both directions (Micikevicius et al. 2022, sec. 4)."""
+    """y = x W^T + b with FP8 GEMMs in both directions: E4M3 x and W forward, E5M2
+    output gradient backward (the split Micikevicius et al. 2022, sec. 3, recommend)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer: "FP8Linear"):

@@ -5,18 +5,18 @@ s*b*h*(34 + 5as/h) bytes per layer (``helpers.memory``). Recompute keeps only a
 segment's *inputs*, throws the rest away, and when backward reaches the
 segment runs its forward again (with autograd on this time) to rebuild what
 backward needs (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
-Cost", sec. 3).
+Cost", sec. 4.1).
 
     keep                    saved per layer (Korthikanti et al. 2022, Table 2)   extra compute
     everything ("none")     sbh (34 + 5as/h)                                     0
-    "selective"             34 sbh   (attention's score-sized tensors dropped)   ~2.7% (paper, sec. 5)
+    "selective"             34 sbh   (attention's score-sized tensors dropped)   ~2.7% FLOPs (GPT-3, sec. 5)
     "full"                  2 sbh    (the block input only)                      one forward, ~+33%
 
 Selective recompute (Korthikanti et al. 2022, sec. 5) re-runs only
 ``attn.core``: softmax(q k^T) v. Its saved tensors grow like a*s^2*b, but it
 has few FLOPs (no weight matmuls), so it is the cheapest memory to buy back.
 
-Segmenting (Chen et al. 2016, sec. 4.1): with n blocks cut into k segments,
+Segmenting (Chen et al. 2016, sec. 4.3): with n blocks cut into k segments,
 the forward keeps k segment inputs and backward rebuilds one segment (n/k
 blocks) at a time, so memory ~ k + n/k, smallest at k = sqrt(n).
 
@@ -55,7 +55,7 @@ RECOMPUTE_CHOICES = ("none", "selective", "full", "segments")
 class Checkpoint(torch.autograd.Function):
     """Run ``run_fn(*args)`` without keeping its internals; recompute them in backward.
 
-    A reentrant checkpoint (Chen et al. 2016, sec. 3): forward runs ``run_fn``
+    A reentrant checkpoint (Chen et al. 2016, sec. 4.1): forward runs ``run_fn``
     under no_grad and saves only the tensor arguments; backward re-runs it
     with grad enabled on detached copies of those arguments, restoring the RNG
     state (so dropout draws the same mask) and the autocast state, then
