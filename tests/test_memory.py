@@ -137,3 +137,15 @@ def test_widget_and_plot_build():
     ax = plot_memory_bars({"a": training_memory(7e9, seq=1024, micro_batch=1, hidden=4096,
                                                 heads=32, layers=32)})
     assert len(ax.patches) == 4                # one stacked bar, four parts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_saved_bytes_match_cuda_accounting():
+    # CUDA keeps 1-byte bool dropout masks and fp32 LayerNorm statistics
+    model = build_model("toy", dropout=0.1, device="cuda").to(torch.bfloat16).train()
+    idx = torch.randint(0, 64, (2, 8), device="cuda")
+    tgt = torch.randint(0, 64, (2, 8), device="cuda")
+    with SavedTensorCounter(model) as counter:
+        model(idx, tgt)
+    explained = explain_saved_bytes(model.config, 2, 8, torch.bfloat16, device_type="cuda")
+    assert counter.total_bytes == sum(t.nbytes for t in explained)

@@ -167,3 +167,18 @@ def test_emulated_gemm_matches_scaled_mm():
         prec._SCALED_MM_OK.update(saved)
     # products of FP8 values are exact in fp32; only the summation order may differ
     torch.testing.assert_close(real, emulated, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_linear_on_cuda():
+    from helpers.precision import scaled_mm_available
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, device="cuda", dtype=torch.bfloat16)   # dims % 16 == 0
+    f8 = FP8Linear.from_linear(lin)
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, y8 = lin(x), f8(x)
+    gx8, = torch.autograd.grad(y8.float().square().sum(), x)
+    gx, = torch.autograd.grad(y.float().square().sum(), x)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(y8, y) < 0.06 and rel(gx8, gx) < 0.12
+    print("scaled_mm on cuda:", scaled_mm_available("cuda"))
