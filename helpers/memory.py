@@ -51,7 +51,6 @@ Bytes are decimal (1 GB = 1e9 bytes), as in the papers we compare against.
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from typing import Callable
 

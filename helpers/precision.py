@@ -188,7 +188,7 @@ def train_fp16(model: nn.Module, batches, *, lr: float = 3e-3,
 # FP8: formats, scales, delayed scaling
 # ---------------------------------------------------------------------------
 
-E4M3 = torch.float8_e4m3fn   # "fn": finite only, no inf; max 448 (Micikevicius et al. 2022, Table 1)
+E4M3 = torch.float8_e4m3fn   # "fn": finite, no inf; max 448 (Micikevicius et al. 2022, Table 1)
 E5M2 = torch.float8_e5m2     # IEEE-like, has inf; max 57344
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 

@@ -7,10 +7,10 @@ segment runs its forward again (with autograd on this time) to rebuild what
 backward needs (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
 Cost", sec. 4.1).
 
-    keep                    saved per layer (Korthikanti et al. 2022, Table 2)   extra compute
-    everything ("none")     sbh (34 + 5as/h)                                     0
-    "selective"             34 sbh   (attention's score-sized tensors dropped)   ~2.7% FLOPs (GPT-3, sec. 5)
-    "full"                  2 sbh    (the block input only)                      one forward, ~+33%
+    keep                    saved per layer (Korthikanti Table 2)  extra compute
+    everything ("none")     sbh (34 + 5as/h)                       0
+    "selective"             34 sbh   (score-sized tensors dropped)  ~2.7% FLOPs (GPT-3, sec. 5)
+    "full"                  2 sbh    (the block input only)        one forward, ~+33%
 
 Selective recompute (Korthikanti et al. 2022, sec. 5) re-runs only
 ``attn.core``: softmax(q k^T) v. Its saved tensors grow like a*s^2*b, but it
@@ -89,8 +89,9 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         saved = iter(ctx.saved_tensors)
-        inputs = [next(saved).detach().requires_grad_(a_req) if is_t else other
-                  for is_t, other, a_req in zip(ctx.is_tensor, ctx.others, ctx.needs_input_grad[2:])]
+        needs = ctx.needs_input_grad[2:]                # skip run_fn, preserve_rng_state
+        inputs = [next(saved).detach().requires_grad_(req) if is_t else other
+                  for is_t, other, req in zip(ctx.is_tensor, ctx.others, needs)]
         with torch.random.fork_rng(devices=ctx.cuda_devices if ctx.preserve_rng_state else [],
                                    enabled=ctx.preserve_rng_state):
             if ctx.preserve_rng_state:

@@ -24,7 +24,8 @@ def test_loss_scaler_equals_grad_scaler(growth_interval, growth, backoff):
     q = torch.nn.Parameter(torch.zeros(4))
     opt2 = torch.optim.SGD([q], lr=0.1)
     for step, kind in enumerate(SEQUENCE):
-        g = torch.full((4,), float(step + 1)) if kind == "F" else torch.tensor([1., float("inf"), 0, 0])
+        g = torch.full((4,), float(step + 1)) if kind == "F" \
+            else torch.tensor([1.0, float("inf"), 0.0, 0.0])
         theirs.scale(torch.ones(()))     # GradScaler insists on a scale() call per step
         p.grad, q.grad = g * theirs.get_scale(), g * ours.scale_value
         before = p.detach().clone()

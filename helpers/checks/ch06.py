@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from helpers.checks import CheckFailed, attempt, expect_close, passed
-from helpers.memory import GB, SavedTensorCounter, activation_bytes_per_layer, model_state_bytes
+from helpers.memory import SavedTensorCounter, activation_bytes_per_layer, model_state_bytes
 from helpers.model import build_model
 
 __all__ = ["check_model_state_bytes", "check_activation_bytes", "check_saved_bytes"]
@@ -38,7 +38,8 @@ def _cases():
     # cross-entropy saves one buffer twice (count once), views share storage.
     model = build_model("toy", dropout=0.1).to(torch.bfloat16).train()
     g = torch.Generator().manual_seed(0)
-    idx, tgt = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    idx = torch.randint(0, 64, (2, 16), generator=g)
+    tgt = torch.randint(0, 64, (2, 16), generator=g)
     yield "toy GPT forward (bf16, dropout 0.1)", model, lambda: model(idx, tgt)
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)

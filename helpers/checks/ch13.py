@@ -40,7 +40,8 @@ def check_checkpoint(LearnerCheckpoint) -> None:
     if got[1] is None or any(g is None for g in got[2]):
         raise CheckFailed("some gradients are missing: backward must run the recomputed "
                           "graph backward and return the input's gradient")
-    if not torch.equal(got[1], ref[1]) or not all(torch.equal(a, b) for a, b in zip(got[2], ref[2])):
+    same_params = all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+    if not torch.equal(got[1], ref[1]) or not same_params:
         raise CheckFailed("gradients differ from no recompute: with dropout on, the recompute "
                           "must draw the same mask (save the RNG state in forward, restore it "
                           "in backward)")
