@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from helpers.pipeline.schedules import Action
 
-__all__ = ["measured_bubble", "median_bubble", "time_schedule", "make_schedule", "layer_costs"]
+__all__ = ["measured_bubble", "median_bubble", "time_schedule", "make_schedule", "layer_costs",
+           "p2p_latency", "replay"]
 
 
 def make_schedule(kind: str, p: int, m: int, v: int = 1):
@@ -154,3 +155,35 @@ def layer_costs(model, x: torch.Tensor, y: torch.Tensor, repeats: int = 5) -> di
     per_block[0] += embed
     per_block[-1] += head
     return dict(embed=embed, blocks=blocks, head=head, per_block=per_block)
+
+
+def p2p_latency(numel: int, repeats: int = 50) -> float:
+    """Rank function for 2+ ranks: one-way seconds to send ``numel`` float32 values
+    from rank 0 to rank 1 (half the median ping-pong round trip)."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    buf = torch.zeros(numel)
+    rtts = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        rtts.append(time.perf_counter() - t0)
+    return statistics.median(rtts[1:]) / 2
+
+
+def replay(schedule, timeline, t_comm: float = 0.0):
+    """Simulate ``schedule`` with the per-rank forward / backward times measured in
+    ``timeline`` (per rank: (start, end, action)), plus ``t_comm`` per message."""
+    from helpers.pipeline.schedules import schedule_shape
+    from helpers.pipeline.simulate import simulate
+
+    p, m, v = schedule_shape(schedule)
+    tf = [sum(e - s for s, e, a in row if a.kind == "F") / m for row in timeline]
+    tb = [sum(e - s for s, e, a in row if a.kind == "B") / m for row in timeline]
+    return simulate(schedule, tf, tb, t_comm)
