@@ -117,6 +117,15 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> 
         op.wait()
 
 
+# Reduce-scatter moves a chunk in segments of this many bytes, so that adding
+# segment i overlaps receiving segment i+1 (gloo and NCCL pipeline the same way).
+SEGMENT_BYTES = 1 << 20
+
+
+def _segments(start: int, end: int, per: int) -> list[tuple[int, int]]:
+    return [(a, min(a + per, end)) for a in range(start, end, per)]
+
+
 def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Phase 1, in place: afterwards chunk ``rank`` (``chunk_bounds``) holds the sum.
 
@@ -132,12 +141,20 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
     # Step s: send chunk (rank - s - 1), receive chunk (rank - s - 2) and add it.
     # The chunk received in the last step (s = p-2) is chunk `rank`, which by then
     # has collected the contributions of all p ranks (Patarasuk & Yuan 2009, sec. 4).
+    per = max(1, SEGMENT_BYTES // flat.element_size())
     for s in range(p - 1):
         a, b = bounds[(rank - s - 1) % p]
         c, d = bounds[(rank - s - 2) % p]
-        incoming = buf[: d - c]
-        _exchange(flat[a:b], incoming, right, left)
-        flat[c:d].add_(incoming)  # (chunk,) += (chunk,)
+        # Post every segment's send and receive, then add each segment as it lands
+        # while the next ones are still on the wire. Messages between the same pair
+        # of ranks are matched in the order they were posted.
+        sends = [dist.isend(flat[x:y], right) for x, y in _segments(a, b, per)]
+        recvs = [(dist.irecv(buf[x - c:y - c], left), x, y) for x, y in _segments(c, d, per)]
+        for req, x, y in recvs:
+            req.wait()
+            flat[x:y].add_(buf[x - c:y - c])  # (segment,) += (segment,)
+        for req in sends:
+            req.wait()
     a, b = bounds[rank]
     return flat[a:b]
 
