@@ -67,6 +67,32 @@ class KeepsGraph(torch.autograd.Function):
         return None, x.grad
 
 
+class RestoresWithoutFork(torch.autograd.Function):
+    """Right gradients, but rewinds the global RNG: training's dropout repeats."""
+
+    @staticmethod
+    def forward(ctx, run_fn, x):
+        ctx.run_fn, ctx.rng = run_fn, torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run_fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        torch.set_rng_state(ctx.rng)
+        with torch.enable_grad():
+            y = ctx.run_fn(x)
+        torch.autograd.backward(y, grad_out)
+        return None, x.grad
+
+
+def test_checkpoint_without_fork_rng_fails():
+    with pytest.raises(CheckFailed, match="fork_rng"):
+        ch13.check_checkpoint(RestoresWithoutFork)
+
+
 def test_checkpoint_without_rng_restore_fails():
     with pytest.raises(CheckFailed, match="same mask"):
         ch13.check_checkpoint(NoRngRestore)

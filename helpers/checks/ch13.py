@@ -31,7 +31,9 @@ def check_checkpoint(LearnerCheckpoint) -> None:
                               f"{tuple(x.shape)}, got {type(y).__name__}")
         torch.manual_seed(1234)       # backward runs with the RNG elsewhere, as in training
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        return y.detach(), x.grad, [p.grad for p in block.parameters()], counter.total_bytes
+        after = torch.get_rng_state()  # backward must leave the caller's stream alone
+        return (y.detach(), x.grad, [p.grad for p in block.parameters()], counter.total_bytes,
+                after)
 
     ref = grads(block)
     got = attempt(grads, lambda x: LearnerCheckpoint.apply(block, x), what="Checkpoint")
@@ -45,10 +47,15 @@ def check_checkpoint(LearnerCheckpoint) -> None:
         raise CheckFailed("gradients differ from no recompute: with dropout on, the recompute "
                           "must draw the same mask (save the RNG state in forward, restore it "
                           "in backward)")
+    if not torch.equal(got[4], ref[4]):
+        raise CheckFailed("backward changed the caller's random stream: restore the saved RNG "
+                          "state inside torch.random.fork_rng(devices=[]) so it is put back "
+                          "after the recompute")
     if got[3] > x0.nbytes:
         raise CheckFailed(f"the checkpoint kept {got[3]:,} bytes for backward; only the input "
                           f"({x0.nbytes:,} bytes) should be kept (run the block under no_grad)")
-    passed("checkpoint: same output and gradients with dropout, keeps only the input")
+    passed("checkpoint: same output and gradients with dropout, keeps only the input, "
+           "leaves the caller's RNG alone")
 
 
 def check_delayed_scale(learner_fn) -> None:
