@@ -1,0 +1,203 @@
+"""Checks for chapter 15: an FSDP unit's gather and free, and the hooks that call them.
+
+The harness (``Unit``, ``make_unit``) is given; the learner writes
+
+* ``gather(unit)``: grow ``unit.full``'s storage back to full size and
+  all-gather every rank's ``unit.shard`` into it (``unit.group``);
+* ``free(unit)``: shrink ``unit.full``'s storage to 0 bytes;
+* ``attach(module, unit, gather, free)``: hooks so that ``module``'s weights exist only while
+  it runs: gather before forward, free after forward, gather again when
+  backward reaches the module's output. (The check frees after backward.)
+
+The check trains the toy GPT on 2 ranks with one unit per block (plus a root
+unit that the check keeps gathered), reduce-scatters the gradients itself,
+and compares with one process; it also watches the storage of every unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from helpers.checks import CheckFailed, passed
+from helpers.launch import RankError, RankTimeout, launch
+
+
+@dataclasses.dataclass
+class Unit:
+    """One FSDP unit: ``params`` are views into ``full`` (padded, flat);
+    ``shard`` is this rank's chunk ``full[r * c:(r + 1) * c]``."""
+
+    params: list
+    full: torch.Tensor   # (padded,) fp32; its storage is 0 bytes while freed
+    shard: torch.Tensor  # (padded / N,)
+    group: object = None
+
+
+def make_unit(params: list[nn.Parameter], world_size: int, rank: int, group=None) -> Unit:
+    """Flatten ``params`` into one padded buffer, keep chunk ``rank``, free the rest."""
+    numel = sum(p.numel() for p in params)
+    padded = -(-numel // world_size) * world_size
+    full = torch.zeros(padded)
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            full[off:off + p.numel()].copy_(p.reshape(-1))
+            p.data = full[off:off + p.numel()].view_as(p)
+            off += p.numel()
+    c = padded // world_size
+    shard = full[rank * c:(rank + 1) * c].clone()
+    full.untyped_storage().resize_(0)
+    return Unit(list(params), full, shard, group)
+
+
+def is_gathered(unit: Unit) -> bool:
+    return unit.full.untyped_storage().nbytes() > 0
+
+
+def _launch(fn, world_size, *args, what, probe=None):
+    """Run fn on ranks; ``probe()`` first calls the learner's code once outside the
+    ranks, so that a stub is reported without starting (and killing) ranks."""
+    if probe is not None:
+        try:
+            probe()
+        except NotImplementedError:
+            raise CheckFailed(f"{what} is not implemented yet") from None
+        except Exception:  # noqa: BLE001 - a real answer fails outside a process group
+            pass
+    try:
+        return launch(fn, world_size, *args, timeout=60)
+    except RankTimeout as err:
+        raise CheckFailed(f"{what} did not finish on ranks {err.ranks}: every rank must call "
+                          f"the same collectives in the same order") from None
+    except RankError as err:
+        if err.exc_type == "NotImplementedError":
+            raise CheckFailed(f"{what} is not implemented yet") from None
+        first = str(err).split("\n--- traceback")[0]
+        if "storage of size 0" in first:
+            first += (" -- a weight was used while freed: gather before the module's "
+                      "forward, and again before its backward (a hook on the forward output).")
+        raise CheckFailed(f"{what} failed on a rank: {first}") from None
+
+
+def _run_gather_free(gather, free):
+    from helpers import rank_info
+    r = rank_info()
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)  # 18 elements: padded to 18 on 2 ranks, 18 on 3
+    want = torch.cat([lin.weight.detach().reshape(-1), lin.bias.detach()]).clone()
+    unit = make_unit([lin.weight, lin.bias], r.world_size, r.rank)
+    states = [is_gathered(unit)]
+    gather(unit)
+    states.append(is_gathered(unit))
+    got = unit.full[:18].clone() if is_gathered(unit) else None
+    # Read the Linear's own weight only if its storage has bytes (reading a
+    # 0-byte storage through a view would crash the rank, not raise).
+    weight_ok = (lin.weight.untyped_storage().nbytes() > 0
+                 and torch.equal(lin.weight.detach().reshape(-1), want[:15]))
+    free(unit)
+    states.append(is_gathered(unit))
+    return {"states": states, "got": got, "want": want, "weight_ok": weight_ok}
+
+
+def check_gather_free(gather, free) -> None:
+    """3 ranks: a Linear(5, 3) sharded 6 elements per rank."""
+    res = _launch(_run_gather_free, 3, gather, free, what="gather/free",
+                  probe=lambda: (gather(None), free(None)))
+    for rank, out in enumerate(res):
+        if out["states"][1] is not True:
+            raise CheckFailed(f"rank {rank}: after gather the storage is still 0 bytes; grow it "
+                              f"with unit.full.untyped_storage().resize_(numel * 4) first")
+        if out["got"] is None or not torch.equal(out["got"], out["want"]):
+            raise CheckFailed(f"rank {rank}: after gather unit.full is not every rank's shard "
+                              f"in rank order (all_gather(unit.full, unit.shard, group))")
+        if not out["weight_ok"]:
+            raise CheckFailed(f"rank {rank}: the Linear's weight does not see the gathered "
+                              f"values: fill unit.full in place, do not replace it")
+        if out["states"][2] is not False:
+            raise CheckFailed(f"rank {rank}: after free the storage still holds "
+                              f"bytes; shrink it to 0 with resize_(0)")
+    passed("gather fills the full buffer in place from 3 shards; free returns it to 0 bytes")
+
+
+def _run_attach(gather, free, attach, steps):
+    import torch.distributed as dist
+
+    from helpers import rank_info
+    from helpers.data import make_dataset
+    from helpers.model import build_model
+    from helpers.zero import reduce_scatter
+
+    r = rank_info()
+    N, B = r.world_size, 2
+    data = make_dataset(num_sequences=64, seq_len=16)
+    model = build_model("toy", seed=0)
+    units = [make_unit(list(b.parameters()), N, r.rank) for b in model.blocks]
+    for blk, u in zip(model.blocks, units):
+        attach(blk, u, gather, free)
+    gathered_after_own_forward, gathered_after_forward = [], []
+    for blk, u in zip(model.blocks, units):  # runs after the learner's hooks
+        blk.register_forward_hook(
+            lambda m, a, o, u=u: gathered_after_own_forward.append(is_gathered(u)))
+    blocks = {id(p) for u in units for p in u.params}
+    root = [p for p in model.parameters() if id(p) not in blocks]  # kept replicated
+    for s in range(steps):
+        x, y = data.batch(range(s * B * N, (s + 1) * B * N))
+        loss = model(x[r.rank * B:(r.rank + 1) * B], y[r.rank * B:(r.rank + 1) * B])[1]
+        gathered_after_forward.append([is_gathered(u) for u in units])
+        loss.backward()
+        with torch.no_grad():
+            for u in units:  # reduce-scatter the block grads, SGD on the shard, free
+                g = torch.zeros(u.full.numel())
+                off = 0
+                for p in u.params:
+                    g[off:off + p.numel()] = p.grad.reshape(-1) / N
+                    off += p.numel()
+                    p.grad = None
+                out = torch.empty_like(u.shard)
+                reduce_scatter(out, g)
+                u.shard -= 0.1 * out
+                free(u)
+            for p in root:
+                p.grad /= N
+                dist.all_reduce(p.grad)
+                p -= 0.1 * p.grad
+                p.grad = None
+    for u in units:
+        gather(u)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"weights": weights, "own": gathered_after_own_forward,
+            "after": gathered_after_forward}
+
+
+def check_attach(gather, free, attach) -> None:
+    """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process."""
+    from helpers.data import make_dataset
+    from helpers.model import build_model
+
+    res = _launch(_run_attach, 2, gather, free, attach, 2, what="attach",
+                  probe=lambda: attach(nn.Linear(1, 1), None, gather, free))
+    data = make_dataset(num_sequences=64, seq_len=16)
+    ref = build_model("toy", seed=0)
+    for s in range(2):
+        x, y = data.batch(range(s * 4, (s + 1) * 4))
+        ref(x, y)[1].backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    for rank, out in enumerate(res):
+        if any(out["own"]):
+            raise CheckFailed(f"rank {rank}: a block's weights were still gathered after its "
+                              f"forward; free them in a forward hook")
+        if any(any(a) for a in out["after"]):
+            raise CheckFailed(f"rank {rank}: weights stayed gathered after the forward pass")
+        for n, p in ref.named_parameters():
+            # 2 ranks: the gradient sums differ from one process's only by fp32 rounding
+            if not torch.allclose(out["weights"][n], p, atol=1e-6):
+                raise CheckFailed(f"rank {rank}: {n} differs from one process after 2 SGD "
+                                  f"steps: are the gathered weights the current ones?")
+    passed("each block's weights live only during its forward and backward; training equals "
+           "one process")
