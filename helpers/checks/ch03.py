@@ -69,7 +69,10 @@ def _expected(n: int, phase: str) -> torch.Tensor:
 def _check(fn, phase: str, label: str) -> None:
     from helpers.collectives import chunk_bounds
 
-    results = on_ranks(_run, WORLD, fn, phase, what=label, timeout=30)
+    if not callable(fn):
+        raise CheckFailed(f"{label} should be a function, got {fn!r}")
+    results = on_ranks(_run, WORLD, fn, phase, what=label, timeout=30,
+                       probe=lambda: fn(torch.zeros(4, dtype=torch.float64)))
     for rank, outs in enumerate(results):
         for n, got in zip(SIZES, outs):
             want = _expected(n, phase)
