@@ -60,13 +60,22 @@ import torch.nn as nn
 from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
                           reduce_scatter, ring_bytes_sent)
 
-__all__ = ["FSDP", "hybrid_grid", "hybrid_groups", "block_policy"]
+__all__ = ["FSDP", "hybrid_grid", "hybrid_groups", "block_policy", "next_unit_prefetch"]
 
 
 def block_policy(module: nn.Module) -> bool:
     """Wrap each transformer block of ``helpers.model`` as a unit."""
     from helpers.model import Block
     return isinstance(module, Block)
+
+
+def next_unit_prefetch(fsdp: "FSDP", i: int, phase: str) -> None:
+    """Default prefetch: after unit i is gathered, start gathering the unit that
+    runs next: i + 1 in forward (i = -1 is the root, before block 0), i - 1 in
+    backward (Zhao et al. 2023, sec. 3.3.2: forward and backward prefetch)."""
+    j = i + 1 if phase == "forward" else i - 1
+    if 0 <= j < len(fsdp.units):
+        fsdp.gather_async(fsdp.units[j])
 
 
 def hybrid_grid(world_size: int, shard_size: int) -> list[list[int]]:
@@ -128,11 +137,13 @@ class FSDP(nn.Module):
     ``shard_group``: ranks that split each unit (default: all). With
     ``replicate_group`` as well (see ``hybrid_groups``) it is hybrid sharding.
     ``timeline``: a ``helpers.overlap.Timeline`` that records compute and
-    communication spans.
+    communication spans. ``prefetch``: True (``next_unit_prefetch``), False, or
+    your own ``fn(fsdp, i, phase)`` called right after unit i is gathered
+    (``phase`` "forward" or "backward"; i = -1: the root, before block 0).
     """
 
     def __init__(self, model: nn.Module, policy: Callable[[nn.Module], bool] = block_policy,
-                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 reshard_after_forward: bool = True, prefetch=True,
                  shard_group=None, replicate_group=None, timeline=None):
         super().__init__()
         if not any(p.requires_grad for p in model.parameters()):
@@ -143,7 +154,10 @@ class FSDP(nn.Module):
         # Not registered as a submodule: fsdp.parameters() must yield only the
         # shards (what the optimizer updates), not the model's gathered views.
         self.__dict__["module"] = model
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        if not (isinstance(prefetch, bool) or callable(prefetch)):
+            raise ValueError(f"prefetch must be True, False or fn(fsdp, i, phase), got {prefetch!r}")
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = next_unit_prefetch if prefetch is True else prefetch or None
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.timeline = timeline
         on = dist.is_available() and dist.is_initialized()
@@ -230,6 +244,10 @@ class FSDP(nn.Module):
         else:
             self._wait(work, f"all-gather {u.name}")
 
+    def gather_async(self, u: _Unit) -> None:
+        """Start gathering unit ``u`` without waiting (a no-op if it is full or on its way)."""
+        self._gather(u, async_op=True)
+
     def _free(self, u: _Unit) -> None:
         if _is_allocated(u.full):
             self._gathered_now -= u.full.numel() * 4
@@ -251,15 +269,15 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------ hooks
     def _root_pre_forward(self, module, args):
         self._gather(self.root)
-        if self.prefetch and self.units:
-            self._gather(self.units[0], async_op=True)
+        if self.prefetch is not None:
+            self.prefetch(self, -1, "forward")
 
     def _pre_forward(self, i):
         def hook(module, args):
             u = self.units[i]
             self._gather(u)
-            if self.prefetch and i + 1 < len(self.units):
-                self._gather(self.units[i + 1], async_op=True)
+            if self.prefetch is not None:
+                self.prefetch(self, i, "forward")
             if self.timeline is not None:
                 u.t_fwd = time.perf_counter()
         return hook
@@ -283,8 +301,8 @@ class FSDP(nn.Module):
             self._callback_queued = True
         u = self.units[i]
         self._gather(u)
-        if self.prefetch and i > 0:
-            self._gather(self.units[i - 1], async_op=True)
+        if self.prefetch is not None:
+            self.prefetch(self, i, "backward")
         if self.timeline is not None:
             u.t_bwd = time.perf_counter()
 

@@ -19,7 +19,8 @@ moment we happen to ``wait()``. Gloo's reduce-scatter has no future; its
 span is closed by ``Timeline.poll()`` at the next hook that finds it
 completed, so its end is accurate to the next hook.
 
-    exposed = | union(wait spans) |       hidden = | union(comm) | - exposed
+    exposed = | union(wait spans) within union(comm spans) |
+    hidden  = | union(comm spans) | - exposed
 
 Waiting is the cost communication adds to the step: while the thread waits
 nothing else runs. (Counting "comm not covered by compute spans" instead
@@ -121,29 +122,33 @@ def union_length(spans: Iterable[tuple[float, float]]) -> float:
 
 
 def exposed_comm(events: list[dict]) -> dict[str, float]:
-    """Seconds of communication in flight (union), exposed (the thread
-    waited) and hidden (the rest: it ran while the thread computed)."""
-    total = union_length((e["start"], e["end"]) for e in events if e["lane"] == "comm")
-    exposed = union_length((e["start"], e["end"]) for e in events if e["lane"] == "wait")
+    """Seconds of communication in flight (union), exposed (the thread waited
+    while some of it was in flight) and hidden (the rest: it ran while the
+    thread computed)."""
+    comm = _merge((e["start"], e["end"]) for e in events if e["lane"] == "comm")
+    waits = _merge((e["start"], e["end"]) for e in events if e["lane"] == "wait")
+    total = sum(b - a for a, b in comm)
+    exposed = sum(max(0.0, min(b, d) - max(a, c)) for a, b in waits for c, d in comm)
     return {"total": total, "exposed": exposed, "hidden": max(0.0, total - exposed)}
 
 
 def ddp_timeline(ddp_events: list[dict], backward_start: float, backward_end: float) -> list[dict]:
     """``BucketedDDP.timeline`` (bucket, event, t) -> Timeline events: one comm
-    span per bucket (launched -> finished), backward as one compute span from
-    ``backward_start`` to the last gradient ("ready"), and the wait from there
-    until the last bucket finished (``loss.backward()`` returns after it)."""
+    span per bucket (launched -> finished); backward as compute from
+    ``backward_start`` until the last bucket is launched (after that the
+    thread only waits); the wait from there until the last bucket finished,
+    or until ``backward_end`` (when ``loss.backward()`` returned) if later."""
     launched = {e["bucket"]: e["t"] for e in ddp_events if e["event"] == "launched"}
-    last_ready = max((e["t"] for e in ddp_events if e["event"] == "ready"), default=backward_end)
-    out = [{"lane": "compute", "name": "backward", "start": backward_start, "end": last_ready}]
+    last_launch = max(launched.values(), default=backward_end)
+    out = [{"lane": "compute", "name": "backward", "start": backward_start, "end": last_launch}]
     for e in ddp_events:
         if e["event"] == "finished" and e["bucket"] in launched:
             out.append({"lane": "comm", "name": f"all-reduce bucket {e['bucket']}",
                         "start": launched[e["bucket"]], "end": e["t"]})
-    last_finish = max((e["end"] for e in out if e["lane"] == "comm"), default=last_ready)
-    if last_finish > last_ready:
-        out.append({"lane": "wait", "name": "wait for buckets", "start": last_ready,
-                    "end": last_finish})
+    last_finish = max((e["end"] for e in out if e["lane"] == "comm"), default=last_launch)
+    end = max(last_finish, backward_end)
+    if end > last_launch:
+        out.append({"lane": "wait", "name": "wait for buckets", "start": last_launch, "end": end})
     return out
 
 
