@@ -1,7 +1,7 @@
 """Pipeline schedules on real ranks: measured bubble vs the formula, and our executor's
 step time vs torch.distributed.pipelining on the same split.
 
-    python benchmarks/bench_pipeline.py [--size toy] [--stages 2] [--steps 5]
+    python benchmarks/bench_pipeline.py [--size tiny] [--stages 2] [--steps 3]
 
 Table 1: for GPipe, 1F1B and interleaved 1F1B (v = 2), m = p .. 8p micro-batches,
 the bubble measured from the ranks' timelines (median over the timed steps) next to
@@ -30,12 +30,14 @@ from helpers.pipeline.measure import median_bubble, time_schedule  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="toy")
+    # "tiny" with 16 x 64-token micro-batches: enough compute per action that one
+    # gloo message (~0.15 ms on loopback) is small beside it
+    ap.add_argument("--size", default="tiny")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--n-layer", type=int, default=8)
-    ap.add_argument("--microbatch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--microbatch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     p = args.stages
     common = dict(size=args.size, n_layer=args.n_layer, microbatch_size=args.microbatch_size,
