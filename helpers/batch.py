@@ -105,12 +105,13 @@ def linear_scaled_lr(base_lr: float, batch: float, base_batch: float = 256) -> f
 
 
 def sqrt_scaled_lr(base_lr: float, batch: float, base_batch: float = 256) -> float:
-    """lr = base_lr * sqrt(batch / base_batch): the usual heuristic for Adam (Malladi et al. 2022)."""
+    """lr = base_lr * sqrt(batch / base_batch): the usual Adam heuristic (Malladi et al. 2022)."""
     _check_lr_args(base_lr, batch, base_batch)
     return base_lr * math.sqrt(batch / base_batch)
 
 
-def warmup_lr(step: int, target_lr: float, warmup_steps: int, start_lr: float | None = None) -> float:
+def warmup_lr(step: int, target_lr: float, warmup_steps: int,
+              start_lr: float | None = None) -> float:
     """Gradual warmup (Goyal et al. 2017, sec. 2.2): linear from start_lr to target_lr.
 
     Goyal et al. start from the small-batch lr (pass it as ``start_lr``); the

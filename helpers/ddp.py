@@ -31,15 +31,16 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
 
 ``no_sync()`` turns the hooks off for forwards run inside it: gradients
 just accumulate locally (for gradient accumulation, ch. 05); the backward of
-the first forward outside it reduces the accumulated sum. Frozen parameters are never bucketed. A parameter that gets
-no gradient in a step is handled like DDP's ``find_unused_parameters=True``
-when that flag is set: after forward, the autograd graph is searched and
-parameters not in it are marked ready at once (so their bucket does not wait
-for a gradient that will never come), and a small all-reduce of "used"
-flags at the end tells every rank which parameters nobody used: those keep
-``.grad = None``, as in DDP. Without the flag such a bucket is launched at
-the end of backward, and the parameter's gradient is the average where zero
-stands for "no gradient" (DDP would raise an error instead).
+the first forward outside it reduces the accumulated sum. Frozen parameters
+are never bucketed. A parameter that gets no gradient in a step is handled
+like DDP's ``find_unused_parameters=True`` when that flag is set: after
+forward, the autograd graph is searched and parameters not in it are marked
+ready at once (so their bucket does not wait for a gradient that will never
+come), and a small all-reduce of "used" flags at the end tells every rank
+which parameters nobody used: those keep ``.grad = None``, as in DDP. Without
+the flag such a bucket is launched at the end of backward, and the
+parameter's gradient is the average where zero stands for "no gradient" (DDP
+would raise an error instead).
 
 Cost
 ----

@@ -1,7 +1,5 @@
 """Accumulation, LR scaling rules and the gradient noise scale."""
 
-import math
-
 import pytest
 import torch
 

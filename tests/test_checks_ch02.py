@@ -1,7 +1,6 @@
 """Chapter 02's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from helpers import rank_info

@@ -114,7 +114,8 @@ def test_chunk_bounds_cover_everything():
             b = chunk_bounds(n, p)
             assert len(b) == p and b[0][0] == 0 and b[-1][1] == n
             sizes = [e - s for s, e in b]
-            assert max(sizes) - min(sizes) <= 1 and all(b[i][1] == b[i + 1][0] for i in range(p - 1))
+            assert max(sizes) - min(sizes) <= 1
+            assert all(b[i][1] == b[i + 1][0] for i in range(p - 1))
     with pytest.raises(ValueError):
         chunk_bounds(5, 0)
 

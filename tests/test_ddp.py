@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from helpers import launch, rank_info
 from helpers.data import make_dataset
-from helpers.ddp import MB, BucketedDDP, assign_buckets, ring_allreduce_hook
+from helpers.ddp import BucketedDDP, assign_buckets, ring_allreduce_hook
 from helpers.model import build_model
 
 
