@@ -73,6 +73,24 @@ def _ignores_received_grad(stage, x, y):
     return result
 
 
+def _recv_before_send(stage, x, y):
+    """Every stage first waits for the gradient, then sends its activation: deadlock."""
+    rank = dist.get_rank()
+    B, T = x.shape
+    inp = x
+    if not stage.first:
+        inp = torch.empty(B, T, stage.n_embd)
+        dist.recv(inp, src=rank - 1)
+        inp.requires_grad_()
+    out = stage(inp)
+    if not stage.last:
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=rank + 1)   # the next stage is still waiting for our output
+        dist.send(out.detach(), dst=rank + 1)
+        out.backward(grad)
+    return None
+
+
 @pytest.mark.slow
 def test_stage_loop_check():
     # the stub last: a rank that raises kills the pooled ranks, so the others reuse them
@@ -81,3 +99,6 @@ def test_stage_loop_check():
         ch11.check_run_stage(_ignores_received_grad)
     with pytest.raises(CheckFailed, match="not implemented"):
         ch11.check_run_stage(exercise(LAB, "run_stage"))
+    # a loop that hangs is stopped and reported (short timeout to keep the suite fast)
+    with pytest.raises(CheckFailed, match=r"hung: rank\(s\) \[0, 1, 2, 3\]"):
+        ch11.check_run_stage(_recv_before_send, timeout=3)

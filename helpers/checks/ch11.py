@@ -113,13 +113,15 @@ def run_on_ranks(rank_fn, world_size, *args, timeout=30.0, what="your function")
                           f"{exc.rank_traceback or ''}") from None
 
 
-def check_run_stage(run_stage) -> None:
+def check_run_stage(run_stage, timeout: float = 30.0) -> None:
     """``run_stage(stage, x, y)`` on a 4-stage pipeline: loss on the last rank, and
-    every rank's gradients, equal the unsplit model's."""
+    every rank's gradients, equal the unsplit model's. A loop that hangs fails after
+    ``timeout`` seconds, naming the ranks still waiting."""
     from helpers.model import build_model
     from helpers.pipeline.executor import reference_grads
 
-    results = run_on_ranks(_stage_loop_rank, STAGE_LOOP_WORLD, run_stage, what="run_stage")
+    results = run_on_ranks(_stage_loop_rank, STAGE_LOOP_WORLD, run_stage, timeout=timeout,
+                           what="run_stage")
     x, y = _batch()
     ref_loss, ref = reference_grads(build_model("toy", n_layer=STAGE_LOOP_LAYERS), x, y)
     last_loss = results[-1][0]
