@@ -191,7 +191,11 @@ SCRIPT = textwrap.dedent("""
         return (rank_info().rank, rank_info().world_size, t.item())
 
     if __name__ == "__main__":
-        print("RESULT", launch(fn, 2), flush=True)
+        import sys
+        # one write per line: two processes share the pipe, and a short single
+        # write is atomic where print's separate text and newline writes are not
+        sys.stdout.write(f"RESULT {launch(fn, 2)}\n")
+        sys.stdout.flush()
 """)
 
 
