@@ -1,0 +1,128 @@
+"""Checks for chapter 16: the length of a union of spans, and FSDP prefetch.
+
+Learner contracts:
+
+* ``union_length(spans) -> float``: total time covered by possibly
+  overlapping ``(start, end)`` spans (overlaps counted once).
+* ``prefetch(fsdp, i, phase)``: called by ``helpers.fsdp.FSDP`` right after
+  unit ``i`` has been gathered (``phase`` "forward" or "backward"; in forward
+  i = -1 means the root, just before block 0). Start the all-gather of the
+  unit that runs next with ``fsdp.gather_async(fsdp.units[j])``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.checks import CheckFailed, attempt, passed
+from helpers.launch import RankError, RankTimeout, launch
+
+UNION_CASES = [
+    ([], 0.0),
+    ([(0.0, 1.0)], 1.0),
+    ([(0.0, 1.0), (2.0, 3.5)], 2.5),
+    ([(0.0, 2.0), (1.0, 3.0)], 3.0),            # overlap counted once
+    ([(1.0, 3.0), (0.0, 2.0)], 3.0),            # unsorted
+    ([(0.0, 10.0), (2.0, 3.0), (4.0, 5.0)], 10.0),  # nested
+    ([(0.0, 1.0), (1.0, 2.0)], 2.0),            # touching
+    ([(5.0, 6.0), (0.0, 1.0), (0.5, 5.5)], 6.0),
+]
+
+
+def check_union_length(union_length) -> None:
+    for spans, want in UNION_CASES:
+        got = attempt(union_length, list(spans), what="union_length")
+        try:
+            ok = abs(float(got) - want) < 1e-12
+        except (TypeError, ValueError):
+            raise CheckFailed(f"union_length({spans}) returned {got!r}, expected a number") \
+                from None
+        if not ok:
+            hint = ""
+            if abs(float(got) - sum(b - a for a, b in spans)) < 1e-12:
+                hint = " That is the plain sum: overlapping time must be counted once."
+            elif len(spans) > 1 and spans != sorted(spans):
+                hint = " Sort the spans by start first."
+            raise CheckFailed(f"union_length({spans}) = {got}, expected {want}.{hint}")
+    passed("union length right: overlaps, nesting, touching and unsorted spans")
+
+
+def _run_prefetch(prefetch):
+    from helpers import rank_info
+    from helpers.data import make_dataset
+    from helpers.fsdp import FSDP
+    from helpers.model import build_model
+    from helpers.overlap import Timeline
+
+    r = rank_info()
+    data = make_dataset(num_sequences=64, seq_len=16)
+    out = {}
+    for name, pf in (("learner", prefetch), ("none", False)):
+        tl = Timeline()
+        model = FSDP(build_model("toy", seed=0, n_layer=3), prefetch=pf, timeline=tl)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for s in range(2):
+            tl.clear()
+            x, y = data.batch(range(8 * s + 4 * r.rank, 8 * s + 4 * r.rank + 4))
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {"events": list(tl.events), "bytes": model.comm_bytes()["total"],
+                     "peak": model.peak_gathered_bytes, "weights": model.full_parameters(),
+                     "block": model.units[0].full.numel() * 4}
+    return out
+
+
+def _first(events, lane, name, key="start"):
+    times = [e[key] for e in events if e["lane"] == lane and e["name"] == name]
+    return min(times) if times else None
+
+
+def check_prefetch(prefetch) -> None:
+    """2 ranks, a 3-block toy GPT, 2 AdamW steps with your prefetch and without."""
+    try:
+        prefetch(None, 0, "forward")  # a stub says so without starting ranks
+    except NotImplementedError:
+        raise CheckFailed("prefetch is not implemented yet") from None
+    except Exception:  # noqa: BLE001 - a real answer needs a real FSDP
+        pass
+    try:
+        res = launch(_run_prefetch, 2, prefetch, timeout=60)
+    except RankTimeout as err:
+        raise CheckFailed(f"prefetch: ranks {err.ranks} did not finish (a deadlock?)") from None
+    except RankError as err:
+        if err.exc_type == "NotImplementedError":
+            raise CheckFailed("prefetch is not implemented yet") from None
+        raise CheckFailed(f"prefetch failed on a rank: {str(err).split(chr(10))[0]}") from None
+    for rank, out in enumerate(res):
+        mine, base = out["learner"], out["none"]
+        for n, w in base["weights"].items():
+            if not torch.equal(w, mine["weights"][n]):
+                raise CheckFailed(f"rank {rank}: with your prefetch {n} trained differently; "
+                                  f"prefetch may change when a gather starts, never what it "
+                                  f"gathers")
+        if mine["bytes"] != base["bytes"]:
+            raise CheckFailed(f"rank {rank}: {mine['bytes']:,.0f} bytes sent per step with your "
+                              f"prefetch, {base['bytes']:,.0f} without: prefetch a unit that "
+                              f"is about to run (and not yet gathered), nothing else")
+        if mine["peak"] > base["peak"] + mine["block"]:
+            raise CheckFailed(f"rank {rank}: peak gathered bytes {mine['peak']:,} vs "
+                              f"{base['peak']:,} without prefetch: prefetch only the next "
+                              f"unit, not all of them")
+        ev = mine["events"]
+        for i in range(2):
+            issued = _first(ev, "comm", f"all-gather blocks.{i + 1}")
+            done = _first(ev, "compute", f"forward blocks.{i}", key="end")
+            if issued is None or done is None or not issued < done:
+                raise CheckFailed(f"rank {rank}: in forward, block {i + 1}'s all-gather was "
+                                  f"not issued while block {i} ran (phase 'forward': unit i+1)")
+        for i in (2, 1):
+            gathers = sorted(e["start"] for e in ev
+                             if e["lane"] == "comm" and e["name"] == f"all-gather blocks.{i - 1}")
+            bwd = [e for e in ev if e["lane"] == "compute" and e["name"] == f"backward blocks.{i}"]
+            if len(gathers) < 2 or not bwd or not gathers[1] < bwd[0]["end"]:
+                raise CheckFailed(f"rank {rank}: in backward, block {i - 1}'s all-gather was not "
+                                  f"issued while block {i}'s backward ran (backward runs the "
+                                  f"units in reverse: unit i-1 is next)")
+    passed("next unit's gather issued under the current unit's compute, in forward and "
+           "backward; same bytes, same weights")
