@@ -279,14 +279,33 @@ def sweep(sizes: Iterable[int], impls: Sequence[str] = ("ring", "torch"), iters:
           warmup: int = 1) -> list[dict]:
     """algbw/busbw over message sizes for each implementation; run on every rank.
 
+    For each size the implementations take turns call by call (ring, torch,
+    ring, torch, ...), so a burst of load elsewhere on the machine hits both
+    alike. Each call is timed after a barrier; a sample is the slowest rank's
+    time; the row reports the median sample.
     Returns rows {"impl", "nbytes", "time_s", "algbw", "busbw"} (bytes/s).
     """
     p = dist.get_world_size()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     rows = []
     for nbytes in sizes:
+        fns = {impl: _all_reduce_impl(impl) for impl in impls}
+        x = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
+        samples: dict = {impl: [] for impl in impls}
+        for i in range(warmup + iters):
+            for impl, fn in fns.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(x)
+                if x.is_cuda:
+                    torch.cuda.synchronize(x.device)
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # done when the slowest rank is
+                if i >= warmup:
+                    samples[impl].append(float(dt))
+                x.fill_(1.0)  # keep the values bounded (sums of ones grow by p per call)
         for impl in impls:
-            t = measure_collective(nbytes, impl, iters=iters, warmup=warmup, device=device)
+            t = sorted(samples[impl])[len(samples[impl]) // 2]
             algbw = nbytes / t
             rows.append({"impl": impl, "nbytes": int(nbytes), "time_s": t, "algbw": algbw,
                          "busbw": bus_bandwidth(algbw, p, "all_reduce")})
