@@ -194,7 +194,7 @@ SCRIPT = textwrap.dedent("""
         import sys
         # one write per line: two processes share the pipe, and a short single
         # write is atomic where print's separate text and newline writes are not
-        sys.stdout.write(f"RESULT {launch(fn, 2)}\n")
+        sys.stdout.write(f"RESULT {launch(fn, 2)}\\n")
         sys.stdout.flush()
 """)
 
