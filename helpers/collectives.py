@@ -126,18 +126,33 @@ def _segments(start: int, end: int, per: int) -> list[tuple[int, int]]:
     return [(a, min(a + per, end)) for a in range(start, end, per)]
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def _workspace(flat: torch.Tensor, n: int, workspace: torch.Tensor | None) -> torch.Tensor:
+    if workspace is None:
+        return torch.empty(n, dtype=flat.dtype, device=flat.device)
+    if workspace.dtype != flat.dtype or workspace.device != flat.device \
+            or workspace.numel() < n or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be a contiguous {flat.dtype} tensor on {flat.device} "
+                         f"with at least {n} elements (one chunk)")
+    return workspace.view(-1)
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, group=None,
+                        workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Phase 1, in place: afterwards chunk ``rank`` (``chunk_bounds``) holds the sum.
 
     Returns that chunk (a view into ``tensor``). The other chunks hold partial
     sums and are meant to be overwritten by ``ring_all_gather``.
+    ``workspace``: optional receive buffer of at least one chunk, reused across
+    calls. A fresh large buffer costs the kernel's zeroing of every new page on
+    first touch (about as long as the transfer itself on a CPU); NCCL likewise
+    keeps persistent buffers.
     """
     flat = _flat(tensor)
     rank, p, right, left = _ring(group)
     if p == 1:
         return flat
     bounds = chunk_bounds(flat.numel(), p)
-    buf = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    buf = _workspace(flat, bounds[0][1] - bounds[0][0], workspace)
     # Step s: send chunk (rank - s - 1), receive chunk (rank - s - 2) and add it.
     # The chunk received in the last step (s = p-2) is chunk `rank`, which by then
     # has collected the contributions of all p ranks (Patarasuk & Yuan 2009, sec. 4).
@@ -177,15 +192,16 @@ def ring_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group=None,
+                    workspace: torch.Tensor | None = None) -> torch.Tensor:
     """In-place sum over the group, as reduce-scatter then all-gather. Returns ``tensor``.
 
     Same result as ``dist.all_reduce(tensor)`` (up to floating-point summation
-    order; exact for integers).
+    order; exact for integers). ``workspace``: see ``ring_reduce_scatter``.
     """
     if tensor.dtype == torch.bool:
         raise TypeError("ring_all_reduce sums; a bool tensor has no sum. Cast to int first.")
-    ring_reduce_scatter(tensor, group)
+    ring_reduce_scatter(tensor, group, workspace)
     ring_all_gather(tensor, group)
     return tensor
 
@@ -241,9 +257,9 @@ def bus_bandwidth(algbw: float, world_size: int, op: str = "all_reduce") -> floa
 # Measuring: run inside launch(); every rank returns the same numbers.
 # --------------------------------------------------------------------------
 
-def _all_reduce_impl(impl: str):
+def _all_reduce_impl(impl: str, workspace: torch.Tensor | None = None):
     if impl == "ring":
-        return lambda t: ring_all_reduce(t)
+        return lambda t: ring_all_reduce(t, workspace=workspace)
     if impl in ("torch", "gloo", "nccl"):  # the backend's own all_reduce
         return lambda t: dist.all_reduce(t)
     raise ValueError(f"impl must be 'ring' or 'torch', got {impl!r}")
@@ -256,9 +272,10 @@ def measure_collective(nbytes: int, impl: str = "ring", iters: int = 5, warmup: 
     Call on every rank. A barrier lines the ranks up before each timed call,
     so each sample is one collective, not the ranks' skew.
     """
-    fn = _all_reduce_impl(impl)
     n = max(1, int(nbytes) // 4)
     x = torch.ones(n, dtype=torch.float32, device=device)
+    ws = torch.zeros(chunk_bounds(n, dist.get_world_size())[0][1], dtype=x.dtype, device=device)
+    fn = _all_reduce_impl(impl, ws)
     samples = []
     for i in range(warmup + iters):
         dist.barrier()
@@ -289,8 +306,10 @@ def sweep(sizes: Iterable[int], impls: Sequence[str] = ("ring", "torch"), iters:
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     rows = []
     for nbytes in sizes:
-        fns = {impl: _all_reduce_impl(impl) for impl in impls}
         x = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
+        # persistent receive buffer for the ring, allocated and touched outside the timing
+        ws = torch.zeros(chunk_bounds(x.numel(), p)[0][1], dtype=x.dtype, device=device)
+        fns = {impl: _all_reduce_impl(impl, ws) for impl in impls}
         samples: dict = {impl: [] for impl in impls}
         for i in range(warmup + iters):
             for impl, fn in fns.items():

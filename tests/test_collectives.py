@@ -73,6 +73,20 @@ def _ring_vs_gloo():
         bad += _compare(g3, r, 3, 99 + r)
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     bad += _compare(pairs[r % 2], r // 2, 2, 7 + r)
+    # a reused workspace gives the same sums; a too-small one is refused
+    ws = torch.empty(300)
+    for n in (1001, 7):
+        a, b = torch.arange(n, dtype=torch.float32) * (r + 1), None
+        b = a.clone()
+        ring_all_reduce(a, workspace=ws)
+        dist.all_reduce(b)
+        if not torch.equal(a, b):
+            bad.append(("workspace", n))
+    try:
+        ring_all_reduce(torch.ones(2000), workspace=ws)
+        bad.append("small workspace accepted")
+    except ValueError:
+        pass
     # a 2-D tensor, in place, and the non-contiguous error
     m = torch.full((3, 5), float(r + 1))
     ring_all_reduce(m)
