@@ -47,8 +47,9 @@ link per second, comparable with the link's peak whatever p is.
 How production differs: NCCL and gloo split a big tensor into many small
 pieces and pipeline them, use several rings/channels at once, pick ring or
 tree per message size, and reduce on the GPU with fused kernels. Our version
-sends one chunk per step and waits; it is short enough to read in one sitting
-and still within a small factor of gloo on large messages.
+pipelines only within a step (a chunk travels in 1 MB segments, each added as
+it lands) and pays Python overhead per message, so it loses on small
+messages; on large ones it keeps up with gloo (benchmarks/bench_collectives.py).
 """
 
 from __future__ import annotations
