@@ -1,6 +1,6 @@
 """Notebook pipeline: solutions are the source, labs are generated from them.
 
-    python tools/nbtool.py labs            # regenerate labs/ from solutions/
+    python tools/nbtool.py labs [NAME ...] # regenerate labs/ from solutions/ (all, or these)
     python tools/nbtool.py labs --check    # exit 1 if labs/ is out of date
     python tools/nbtool.py run [NB ...]    # execute notebooks in place (default: course/ + solutions/)
     python tools/nbtool.py new SRC.py OUT.ipynb   # build a notebook from a "# %%" percent script
@@ -73,9 +73,13 @@ def _normalized(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
     return [(c.cell_type, c.source) for c in nb.cells]
 
 
-def labs(check: bool) -> int:
+def labs(check: bool, names: list[str] | None = None) -> int:
+    """Regenerate (or, with check, compare) labs; ``names`` limits it to those notebooks."""
     stale = []
+    wanted = {pathlib.Path(n).name for n in names or []}
     for sol_path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        if wanted and sol_path.name not in wanted:
+            continue
         lab = make_lab(nbformat.read(sol_path, as_version=4))
         lab_path = ROOT / "labs" / sol_path.name
         if check:
@@ -164,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("labs"); p.add_argument("--check", action="store_true")
+    p.add_argument("names", nargs="*", help="only these notebooks (e.g. 03_all_reduce_ring.ipynb)")
     p = sub.add_parser("run"); p.add_argument("paths", nargs="*")
     p = sub.add_parser("new"); p.add_argument("src"); p.add_argument("out")
     args = parser.parse_args(argv)
     if args.cmd == "labs":
-        return labs(args.check)
+        return labs(args.check, args.names)
     if args.cmd == "run":
         return run(args.paths)
     nbformat.write(from_percent(pathlib.Path(args.src).read_text()), args.out)
