@@ -86,25 +86,25 @@ def _run_gather_free(gather, free):
     from helpers import rank_info
     r = rank_info()
     torch.manual_seed(0)
-    lin = nn.Linear(5, 3)  # 18 elements: padded to 18 on 2 ranks, 18 on 3
+    lin = nn.Linear(4, 3)  # 15 elements: padded to 16 on 2 ranks
     want = torch.cat([lin.weight.detach().reshape(-1), lin.bias.detach()]).clone()
     unit = make_unit([lin.weight, lin.bias], r.world_size, r.rank)
     states = [is_gathered(unit)]
     gather(unit)
     states.append(is_gathered(unit))
-    got = unit.full[:18].clone() if is_gathered(unit) else None
+    got = unit.full[:15].clone() if is_gathered(unit) else None
     # Read the Linear's own weight only if its storage has bytes (reading a
     # 0-byte storage through a view would crash the rank, not raise).
     weight_ok = (lin.weight.untyped_storage().nbytes() > 0
-                 and torch.equal(lin.weight.detach().reshape(-1), want[:15]))
+                 and torch.equal(lin.weight.detach().reshape(-1), want[:12]))
     free(unit)
     states.append(is_gathered(unit))
     return {"states": states, "got": got, "want": want, "weight_ok": weight_ok}
 
 
 def check_gather_free(gather, free) -> None:
-    """3 ranks: a Linear(5, 3) sharded 6 elements per rank."""
-    res = _launch(_run_gather_free, 3, gather, free, what="gather/free",
+    """2 ranks: a Linear(4, 3), 15 elements padded to 16, 8 per rank."""
+    res = _launch(_run_gather_free, 2, gather, free, what="gather/free",
                   probe=lambda: (gather(None), free(None)))
     for rank, out in enumerate(res):
         if out["states"][1] is not True:
@@ -119,7 +119,7 @@ def check_gather_free(gather, free) -> None:
         if out["states"][2] is not False:
             raise CheckFailed(f"rank {rank}: after free the storage still holds "
                               f"bytes; shrink it to 0 with resize_(0)")
-    passed("gather fills the full buffer in place from 3 shards; free returns it to 0 bytes")
+    passed("gather fills the full buffer in place from 2 padded shards; free returns it to 0 bytes")
 
 
 def _run_attach(gather, free, attach, steps):
