@@ -47,7 +47,6 @@ import threading
 import time
 from typing import Callable, Iterable
 
-import torch
 
 __all__ = ["Timeline", "union_length", "exposed_comm", "ddp_timeline", "plot_timelines",
            "export_trace"]

@@ -74,7 +74,6 @@ gradient were zero (its weight decay still applies), as DDP with
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable
 
 import torch

@@ -1,7 +1,5 @@
 """helpers.fsdp against one process on the global batch, PyTorch FSDP2 and DDP."""
 
-import copy
-
 import pytest
 import torch
 
@@ -9,7 +7,7 @@ from helpers import launch, rank_info
 from helpers.data import make_dataset
 from helpers.ddp import BucketedDDP
 from helpers.fsdp import FSDP, hybrid_grid, hybrid_groups
-from helpers.model import Block, build_model
+from helpers.model import build_model
 from helpers.overlap import Timeline
 
 LR, STEPS, B = 1e-3, 3, 2
