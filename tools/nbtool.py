@@ -158,6 +158,11 @@ def exercise(nb_path: str | pathlib.Path, name: str) -> object:
     cells = [src for src in code if pattern.search(src)]
     if not cells:
         raise LookupError(f"{nb_path} defines no {name!r}")
+    if "checks.check_" in cells[0]:
+        # Otherwise loading the lab's stub would already raise inside the check,
+        # and a test of "the check fails on the stub" would pass for the wrong reason.
+        raise ValueError(f"{nb_path}: the cell defining {name!r} also calls a check; "
+                         "put the check call in the next cell")
     namespace: dict = {"__name__": "__lab__"}
     exec(compile(code[0], f"{nb_path}[setup]", "exec"), namespace)
     exec(compile(cells[0], f"{nb_path}[{name}]", "exec"), namespace)
