@@ -259,6 +259,7 @@ class FSDP(nn.Module):
         work.wait()
         if self.timeline is not None:
             self.timeline.add("wait", name, t0, time.perf_counter())
+            self.timeline.waited(work)
             self.timeline.poll()
 
     def _record_comm(self, work, name, t0):

@@ -17,7 +17,8 @@ callback to the async work's future, which runs on the communication thread
 as soon as the data has arrived, so the end time is not delayed by the
 moment we happen to ``wait()``. Gloo's reduce-scatter has no future; its
 span is closed by ``Timeline.poll()`` at the next hook that finds it
-completed, so its end is accurate to the next hook.
+completed (or at the ``wait()`` that returns it, ``Timeline.waited``), so its
+end is accurate to the next hook.
 
     exposed = | union(wait spans) within union(comm spans) |
     hidden  = | union(comm spans) | - exposed
@@ -86,6 +87,16 @@ class Timeline:
             self._polled.append((work, name, t0))
             return
         fut.add_done_callback(lambda _: self.add("comm", name, t0, time.perf_counter()))
+
+    def waited(self, work) -> None:
+        """``work.wait()`` returned: close its span now if it had no future."""
+        now, still = time.perf_counter(), []
+        for w, name, t0 in self._polled:
+            if w is work:
+                self.add("comm", name, t0, now)
+            else:
+                still.append((w, name, t0))
+        self._polled = still
 
     def poll(self) -> None:
         """Close the spans of future-less collectives that have completed."""

@@ -74,6 +74,7 @@ gradient were zero (its weight decay still applies), as DDP with
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterable
 
 import torch
@@ -228,6 +229,8 @@ class ZeroOptimizer:
     """AdamW with its state sharded over the data-parallel group, ZeRO stage 0-3.
 
     Use it like an optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
+    ``timeline`` (a ``helpers.overlap.Timeline``) records the stage 2-3
+    collectives issued during forward/backward and the time spent waiting.
     Each rank passes the loss of its own micro-batch; gradients are averaged
     over the group, so N ranks on N slices equal one process on the global
     batch. Construction broadcasts rank 0's weights, so ranks may start from
@@ -237,7 +240,7 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, process_group=None, precision: str = "fp32",
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, timeline=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DP), 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
@@ -250,6 +253,7 @@ class ZeroOptimizer:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.model, self.stage, self.group = model, stage, process_group
+        self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.dtype = PRECISIONS[precision]
         self.precision = precision
@@ -392,10 +396,27 @@ class ZeroOptimizer:
             return
         _alloc(full)
         if self.world > 1:
-            all_gather(full, self._param_chunks[bi], group=self.group)
+            t0 = time.perf_counter()
+            work = all_gather(full, self._param_chunks[bi], group=self.group, async_op=True)
+            self._record(work, f"all-gather {bi}", t0)
+            self._wait(work, f"all-gather {bi}")
         else:
             full.copy_(self._param_chunks[bi])
         self._count("all_gather", full.numel() * full.element_size())
+
+    def _record(self, work, name: str, t0: float) -> None:
+        if self.timeline is not None:
+            self.timeline.poll()
+            self.timeline.comm(work, name, t0)
+
+    def _wait(self, work, name: str) -> None:
+        """Block on ``work``; with a timeline the blocked time is recorded as a wait."""
+        t0 = time.perf_counter()
+        work.wait()
+        if self.timeline is not None:
+            self.timeline.add("wait", name, t0, time.perf_counter())
+            self.timeline.waited(work)
+            self.timeline.poll()
 
     def free_unit(self, bi: int) -> None:
         _free(self.unit_full[bi])
@@ -448,9 +469,12 @@ class ZeroOptimizer:
                 p.grad = None  # a rank keeps only its chunk (stage >= 2)
         buf.div_(self.world)  # average, not sum, of the ranks' gradients
         out = torch.empty(b.chunk, dtype=self.dtype)
-        work = reduce_scatter(out, buf, group=self.group, async_op=self.world > 1) \
-            if self.world > 1 else None
-        if work is None:
+        work = None
+        if self.world > 1:
+            t0 = time.perf_counter()
+            work = reduce_scatter(out, buf, group=self.group, async_op=True)
+            self._record(work, f"reduce-scatter {bi}", t0)
+        else:
             out.copy_(buf)
         self._count("reduce_scatter", buf.numel() * buf.element_size())
         self._handles.append((work, bi, out, buf))
@@ -466,7 +490,7 @@ class ZeroOptimizer:
                 self._launch_bucket(bi)
         for work, bi, out, _ in self._handles:
             if work is not None:
-                work.wait()
+                self._wait(work, f"reduce-scatter {bi}")
             b = self.partition.buckets[bi]
             self.grad_shard[b.shard_start:b.shard_start + b.chunk].add_(out)
         self._handles = []

@@ -54,6 +54,14 @@ def _timelines():
         f(x, x)[1].backward()
         out[f"fsdp{prefetch}"] = sorted(tl.events, key=lambda e: e["start"])
         out[f"bytes{prefetch}"] = f.comm_bytes()["total"]
+    from helpers.zero import ZeroOptimizer
+    for stage in (2, 3):  # the same timeline works for ZeRO
+        tl = Timeline()
+        model = build_model("toy", seed=0)
+        opt = ZeroOptimizer(model, stage, timeline=tl)
+        model(x, x)[1].backward()
+        opt.step()
+        out[f"zero{stage}"] = {e["lane"] for e in tl.events}, tl.exposed_comm()
     return out
 
 
@@ -67,6 +75,8 @@ def test_ddp_overlap_and_fsdp_prefetch_order():
         # one bucket is launched when backward is over: nothing to hide under
         # (hidden is only the moment between the last gradient and the launch)
         assert r[1000]["hidden"] < 0.5 * r[1000]["total"]
+        assert r["zero2"][0] == {"comm", "wait"} and r["zero3"][0] == {"comm", "wait"}
+        assert 0 <= r["zero3"][1]["exposed"] <= r["zero3"][1]["total"] + 1e-9
         # prefetch changes when gathers are issued, not how many bytes move
         assert r["bytesTrue"] == r["bytesFalse"]
         for pf in (True, False):
