@@ -21,7 +21,9 @@ How it works
   ranks are kept in a **pool** after a successful launch: the next launch with
   the same world size and backend reuses the processes (with a fresh process
   group) and costs a few tens of milliseconds.
-  After any failure the whole pool is killed; the next launch builds a new one.
+  After a failure the pool is killed and the next launch builds a new one,
+  except when every rank came back with an ordinary exception on gloo (a
+  failed check, a wrong shape): those processes are healthy, so they stay.
 * Rendezvous: the caller owns a ``TCPStore`` listening on 127.0.0.1 on a port
   the operating system picks (port 0). Nothing is chosen then released, so two
   launches at once, or another program, cannot steal the port.
@@ -400,6 +402,7 @@ class _Pool:
         import torch.distributed as dist
 
         self.world_size, self.backend = world_size, backend
+        self.healthy_after_failure = False  # set by _collect when a launch fails
         # The caller hosts the store; port 0 -> the OS picks a free port and we keep it.
         self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                                    timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -538,12 +541,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         pool = _get_pool(world_size, backend, start_deadline)
         _Pool._generation += 1
         task = _make_task(_Pool._generation, timeout, seed, seed_per_rank, payload)
+        pool.healthy_after_failure = False
         try:
             for c in pool.conns:
                 c.send_bytes(task)
             return _collect(pool, time.monotonic() + timeout)
         except BaseException:
-            _kill_pool()  # after any failure, no rank survives
+            if not pool.healthy_after_failure:
+                _kill_pool()  # a rank died, hung or broke a collective: none survives
             raise
 
 
@@ -592,6 +597,14 @@ def _collect(pool: _Pool, deadline: float) -> list[Any]:
             give_up_at = time.monotonic() + _GRACE
 
     if failures:
+        # Every rank returned an ordinary exception (none died, none is stuck in or
+        # broke a collective): the processes are back in their task loop and the
+        # next launch gets a fresh process group, so the pool can stay. Only on gloo:
+        # an NCCL communicator that saw an error may abort its process later.
+        pool.healthy_after_failure = (
+            pool.backend == "gloo" and len(failures) == n
+            and all(kind == "error" and not _is_comm_error(details)
+                    for _, kind, details in failures))
         _raise_root_cause(failures)
     if len(results) == n:
         return [results[r] for r in range(n)]
@@ -608,14 +621,18 @@ _COMM_WORDS = ("connection closed", "connection reset", "timed out", "timeout",
                "broken pipe", "gloo", "nccl")
 
 
+def _is_comm_error(details: tuple) -> bool:
+    text = f"{details[0]} {details[1]}".lower()
+    return any(w in text for w in _COMM_WORDS)
+
+
 def _raise_root_cause(failures: list[tuple[int, str, tuple]]) -> None:
     """Name the rank that started it: a death first, then a non-communication error."""
     def priority(item):
         index, (rank, kind, details) = item
         if kind == "died":
             return (0, index)
-        text = f"{details[0]} {details[1]}".lower()
-        return (1 if not any(w in text for w in _COMM_WORDS) else 2, index)
+        return (2 if _is_comm_error(details) else 1, index)
 
     _, (rank, kind, details) = min(enumerate(failures), key=priority)
     others = [f"rank {r} {'died' if k == 'died' else 'raised ' + d[0]}"

@@ -5,7 +5,6 @@ process is left behind.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from helpers import RankError, RankTimeout, launch, rank_info, shutdown
-from helpers.launch import _Pool  # noqa: F401  (imported so pool internals stay importable)
 
 
 def child_pids() -> set[int]:
@@ -157,6 +155,32 @@ def test_deadlock_mismatched_send_recv_names_both_ranks():
 def test_pool_recovers_after_failure():
     with pytest.raises(RankError):
         launch(lambda: 1 / 0, 2)
+    assert launch(lambda: rank_info().rank, 2) == [0, 1]
+
+
+def test_pool_survives_when_every_rank_raised_an_ordinary_exception():
+    """A failed check on every rank keeps the processes (no 2 s-per-rank restart);
+    a rank left inside a collective does not."""
+    pids = launch(os.getpid, 2)
+
+    def all_raise():
+        if rank_info().rank == 0:
+            dist.isend(torch.ones(1000), 1)  # left pending: the next group must not mind
+        raise AssertionError("wrong answer")
+
+    with pytest.raises(RankError, match="wrong answer"):
+        launch(all_raise, 2, timeout=10)
+    assert launch(os.getpid, 2) == pids
+    assert launch(lambda: dist.all_reduce(torch.ones(2)) or 1, 2) == [1, 1]
+
+    def one_raises_other_waits():
+        if rank_info().rank == 0:
+            raise AssertionError("early")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankError, match="rank 0 raised AssertionError"):
+        launch(one_raises_other_waits, 2, timeout=10)
+    assert not set(pids) & child_pids()  # the stuck rank was stopped with the pool
     assert launch(lambda: rank_info().rank, 2) == [0, 1]
 
 
