@@ -62,7 +62,6 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 __all__ = ["DynamicLossScaler", "E4M3", "E5M2", "FP8_MAX", "fp8_scale", "quantize",
            "dequantize", "fp8_round_trip", "update_delayed_scale", "DelayedScaling",

@@ -503,7 +503,7 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        part, r = self.partition, self.rank
+        part = self.partition
         self.step_count += 1
         # 1. Averaged gradient of this rank's chunks, per bucket.
         if self.stage == 0:

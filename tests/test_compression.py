@@ -10,7 +10,6 @@ from helpers.compression import PowerSGDHook, TopKHook, cast_hook, powersgd_shap
 
 def _flat_cases():
     r = rank_info()
-    N = r.world_size
     g = torch.Generator().manual_seed(10 + r.rank)
     grads = [torch.randn(30, generator=g) for _ in range(3)]
     out = {}

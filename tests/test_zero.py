@@ -62,7 +62,6 @@ def _equivalence(stages, precision="fp32"):
                                      lr=LR, foreach=False)
         o_ddp = torch.optim.AdamW([p for p in ddp_ref.parameters() if p.requires_grad],
                                   lr=LR, foreach=False)
-        grad_err = 0.0
         for x, y in batches:
             model(x[lo:hi], y[lo:hi])[1].backward()
             single(x, y)[1].backward()

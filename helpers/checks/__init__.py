@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["CheckFailed", "attempt", "passed", "expect_close"]
+__all__ = ["CheckFailed", "attempt", "passed", "expect_close", "on_ranks"]
 
 
 class CheckFailed(AssertionError):
@@ -45,3 +45,43 @@ def expect_close(got: float, want: float, what: str, rel: float = 1e-9, abs_: fl
         raise CheckFailed(f"{what}: expected a number, got {got!r}") from None
     if not ok:
         raise CheckFailed(f"{what}: expected {want:,.6g}, got {float(got):,.6g}")
+
+
+def on_ranks(fn: Callable, world_size: int, *args: Any, what: str, timeout: float = 60,
+             probe: Callable | None = None, hints: dict[str, str] | None = None,
+             **kwargs: Any) -> list:
+    """``launch(fn, world_size, ...)`` with a learner's mistake as a CheckFailed.
+
+    ``probe()``, if given, first calls the learner's code once in this process
+    (no process group): an untouched exercise raises NotImplementedError right
+    there, and we say so without starting ranks. Any other exception from the
+    probe is ignored: code that needs a process group is expected to fail
+    outside one.
+    ``hints`` maps a piece of a rank's error message to advice appended to it
+    (e.g. "storage of size 0" -> "a weight was used while freed ...").
+    """
+    from helpers.launch import RankError, RankTimeout, launch
+
+    if probe is not None:
+        try:
+            probe()
+        except NotImplementedError as exc:
+            raise CheckFailed(f"{what} is not implemented yet ({exc})") from None
+        except Exception:  # noqa: BLE001 - see docstring
+            pass
+    try:
+        return launch(fn, world_size, *args, timeout=timeout, **kwargs)
+    except RankTimeout as err:
+        raise CheckFailed(
+            f"{what} hung: rank(s) {err.ranks} were still waiting after {timeout:g} s. "
+            f"A deadlock? Every rank must post matching sends and receives, and call "
+            f"the same collectives in the same order.") from None
+    except RankError as err:
+        if err.exc_type == "NotImplementedError":
+            raise CheckFailed(f"{what} is not implemented yet") from None
+        first = str(err).split("\n--- traceback")[0]
+        advice = [tip for key, tip in (hints or {}).items() if key in first]
+        raise CheckFailed(f"{what} failed on a rank: {first}"
+                          + "".join(f" -- {tip}" for tip in advice)
+                          + f"\n\n--- traceback of rank {err.rank} ---\n"
+                          + (err.rank_traceback or "")) from None

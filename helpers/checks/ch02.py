@@ -1,50 +1,16 @@
 """Checks for chapter 02: naive data parallelism equals one process on the global batch.
 
 The learner's functions run on real ranks (``launch``); the reference is one
-process on the whole global batch. Also home of ``on_ranks``, which the
-checks of chapters 03-05 use to run learner code on ranks and turn a rank's
-exception into a ``CheckFailed`` that says what went wrong.
+process on the whole global batch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
-from helpers.checks import CheckFailed, passed
-from helpers.launch import RankError, RankTimeout, launch
+from helpers.checks import CheckFailed, on_ranks, passed
 
 WORLD = 3  # 3 ranks: catches a hard-coded "/ 2" and uneven ring chunks
-
-
-def on_ranks(fn: Callable, world_size: int, *args: Any, what: str, timeout: float = 60,
-             probe: Callable | None = None, **kwargs: Any) -> list:
-    """``launch(fn, world_size, ...)``, with learner errors as CheckFailed.
-
-    ``probe()``, if given, first calls the learner's code once in this process
-    (no process group): an untouched exercise raises NotImplementedError right
-    there, and we say so without starting (and, after the failure, killing)
-    a pool of ranks. Any other exception from the probe is ignored: code that
-    needs a process group is expected to fail outside one.
-    """
-    if probe is not None:
-        try:
-            probe()
-        except NotImplementedError as exc:
-            raise CheckFailed(f"{what} is not implemented yet ({exc})") from None
-        except Exception:  # noqa: BLE001 - see docstring
-            pass
-    try:
-        return launch(fn, world_size, *args, timeout=timeout, **kwargs)
-    except RankTimeout as err:
-        raise CheckFailed(f"{what} did not finish on ranks {err.ranks}: a deadlock? (every rank "
-                          f"must post matching sends/receives and collectives)") from None
-    except RankError as err:
-        if err.exc_type == "NotImplementedError":
-            raise CheckFailed(f"{what} is not implemented yet") from None
-        first = str(err).split("\n--- traceback")[0]
-        raise CheckFailed(f"{what} failed on a rank: {first}") from None
 
 
 def _data(world_size: int, micro: int = 2, steps: int = 1):
@@ -132,7 +98,7 @@ def _ranked_training(dp_step):
     from helpers import rank_info
     from helpers.model import build_model
 
-    r, p = rank_info().rank, rank_info().world_size
+    p = rank_info().world_size
     model = build_model("toy", seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []

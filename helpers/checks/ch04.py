@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.checks import CheckFailed, attempt, passed
-from helpers.checks.ch02 import on_ranks
+from helpers.checks import CheckFailed, attempt, on_ranks, passed
 from helpers.ddp import BucketedDDP
 from helpers.ddp import assign_buckets as _reference_buckets
 

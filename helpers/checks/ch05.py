@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.checks import CheckFailed, attempt, expect_close, passed
-from helpers.checks.ch02 import on_ranks
+from helpers.checks import CheckFailed, attempt, expect_close, on_ranks, passed
 
 ACCUM = 3
 

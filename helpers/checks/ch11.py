@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from helpers.checks import CheckFailed, attempt, passed
+from helpers.checks import CheckFailed, attempt, on_ranks, passed
 
 # (layer costs, stages): equal layers, a heavy last layer (an LM head), a heavy first
 # layer (embeddings), a case where "fill up to the average" greedy splits go wrong,
@@ -94,25 +94,6 @@ def _stage_loop_rank(run_stage):
     return (None if loss is None else float(loss)), chunk_grads([stage])
 
 
-def run_on_ranks(rank_fn, world_size, *args, timeout=30.0, what="your function"):
-    """launch(), with a learner's mistake turned into a CheckFailed that says which rank."""
-    from helpers import launch
-    from helpers.launch import RankError, RankTimeout
-
-    try:
-        return launch(rank_fn, world_size, *args, timeout=timeout)
-    except RankTimeout as exc:
-        raise CheckFailed(f"{what} hung: rank(s) {exc.ranks} were still waiting after "
-                          f"{timeout:g} s. A recv with no matching send (or the other way "
-                          f"round)?") from None
-    except RankError as exc:
-        if exc.exc_type == "NotImplementedError":
-            raise CheckFailed(f"{what} is not implemented yet") from None
-        first = str(exc).split("\n")[0]
-        raise CheckFailed(f"{what} failed on rank {exc.rank}: {first}\n\n"
-                          f"{exc.rank_traceback or ''}") from None
-
-
 def check_run_stage(run_stage, timeout: float = 30.0) -> None:
     """``run_stage(stage, x, y)`` on a 4-stage pipeline: loss on the last rank, and
     every rank's gradients, equal the unsplit model's. A loop that hangs fails after
@@ -120,8 +101,8 @@ def check_run_stage(run_stage, timeout: float = 30.0) -> None:
     from helpers.model import build_model
     from helpers.pipeline.executor import reference_grads
 
-    results = run_on_ranks(_stage_loop_rank, STAGE_LOOP_WORLD, run_stage, timeout=timeout,
-                           what="run_stage")
+    results = on_ranks(_stage_loop_rank, STAGE_LOOP_WORLD, run_stage, timeout=timeout,
+                       what="run_stage")
     x, y = _batch()
     ref_loss, ref = reference_grads(build_model("toy", n_layer=STAGE_LOOP_LAYERS), x, y)
     last_loss = results[-1][0]

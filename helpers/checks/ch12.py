@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.checks import CheckFailed, attempt, passed
-from helpers.checks.ch11 import run_on_ranks
+from helpers.checks import CheckFailed, attempt, on_ranks, passed
 from helpers.pipeline import (ScheduleDeadlock, format_schedule, interleaved_1f1b, one_f_one_b,
                               simulate, validate_schedule)
 
@@ -105,7 +104,7 @@ def check_one_f_one_b_on_ranks(one_f_one_b_fn) -> None:
 
     p, m = RANKS_P, RANKS_M
     sched = _learner_schedule(one_f_one_b_fn, p, m)  # refuses a deadlock before any rank runs
-    results = run_on_ranks(_executor_rank, p, sched, what="the pipeline with your schedule")
+    results = on_ranks(_executor_rank, p, sched, what="the pipeline with your schedule")
     x, y = _batch()
     ref_loss, ref = reference_grads(build_model("toy", n_layer=RANKS_LAYERS), x, y)
     loss = results[-1][0]

@@ -20,34 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from helpers.checks import CheckFailed, attempt, passed
-from helpers.launch import RankError, RankTimeout, launch
+from helpers.checks import CheckFailed, attempt, on_ranks, passed
 
 # The lab's AdamW hyperparameters (the check's reference uses the same).
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
-
-
-def _launch(fn, world_size, *args, what, probe=None):
-    """Run fn on ranks; ``probe()`` first calls the learner's code once outside the
-    ranks, so that a stub is reported without starting (and killing) ranks."""
-    if probe is not None:
-        try:
-            probe()
-        except NotImplementedError:
-            raise CheckFailed(f"{what} is not implemented yet") from None
-        except Exception:  # noqa: BLE001 - a real answer fails outside a process group
-            pass
-    try:
-        return launch(fn, world_size, *args, timeout=60)
-    except RankTimeout as err:
-        raise CheckFailed(f"{what} did not finish on ranks {err.ranks}: every rank must call "
-                          f"the same collectives in the same order") from None
-    except RankError as err:
-        if err.exc_type == "NotImplementedError":
-            raise CheckFailed(f"{what} is not implemented yet") from None
-        first = str(err).split("\n--- traceback")[0]
-        raise CheckFailed(f"{what} failed on a rank: {first}") from None
-
 
 SHARD_CASES = [  # (numel, world_size)
     (10, 2), (10, 3), (7, 4), (12, 4), (5, 1), (1, 4), (0, 3),
@@ -115,9 +91,9 @@ def _run_zero1(zero1_step, numel):
 
 def check_zero1_step(zero1_step) -> None:
     """Three AdamW steps on 3 ranks, a buffer of 10 elements (2 of padding)."""
-    res = _launch(_run_zero1, 3, zero1_step, 10, what="zero1_step",
-                  probe=lambda: zero1_step(torch.zeros(6), torch.zeros(6), torch.zeros(2),
-                                           torch.zeros(2), 1))
+    res = on_ranks(_run_zero1, 3, zero1_step, 10, what="zero1_step",
+                   probe=lambda: zero1_step(torch.zeros(6), torch.zeros(6),
+                                            torch.zeros(2), torch.zeros(2), 1))
     for rank, out in enumerate(res):
         for step, (got, want) in enumerate(zip(out["chunks"], out["ref_chunks"]), start=1):
             if got is None or got.shape != want.shape:
@@ -158,8 +134,8 @@ def _run_rs(reduce_scatter_bucket):
 
 def check_reduce_scatter_bucket(reduce_scatter_bucket) -> None:
     """3 ranks, a bucket of a (3, 2) and a (5,) gradient: 11 elements, padded to 12."""
-    res = _launch(_run_rs, 3, reduce_scatter_bucket, what="reduce_scatter_bucket",
-                  probe=lambda: reduce_scatter_bucket([torch.zeros(3)]))
+    res = on_ranks(_run_rs, 3, reduce_scatter_bucket, what="reduce_scatter_bucket",
+                   probe=lambda: reduce_scatter_bucket([torch.zeros(3)]))
     flat = [torch.cat([t.reshape(-1) for t in out["grads"]]) for out in res]
     avg = torch.zeros(12)
     avg[:11] = sum(flat) / 3

@@ -21,8 +21,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from helpers.checks import CheckFailed, passed
-from helpers.launch import RankError, RankTimeout, launch
+from helpers.checks import CheckFailed, on_ranks, passed
 
 
 @dataclasses.dataclass
@@ -53,33 +52,13 @@ def make_unit(params: list[nn.Parameter], world_size: int, rank: int, group=None
     return Unit(list(params), full, shard, group)
 
 
+# A rank error that means the learner used a weight while its storage was freed.
+FREED_HINT = {"storage of size 0": "a weight was used while freed: gather before the module's "
+              "forward, and again before its backward (a hook on the forward output)."}
+
+
 def is_gathered(unit: Unit) -> bool:
     return unit.full.untyped_storage().nbytes() > 0
-
-
-def _launch(fn, world_size, *args, what, probe=None):
-    """Run fn on ranks; ``probe()`` first calls the learner's code once outside the
-    ranks, so that a stub is reported without starting (and killing) ranks."""
-    if probe is not None:
-        try:
-            probe()
-        except NotImplementedError:
-            raise CheckFailed(f"{what} is not implemented yet") from None
-        except Exception:  # noqa: BLE001 - a real answer fails outside a process group
-            pass
-    try:
-        return launch(fn, world_size, *args, timeout=60)
-    except RankTimeout as err:
-        raise CheckFailed(f"{what} did not finish on ranks {err.ranks}: every rank must call "
-                          f"the same collectives in the same order") from None
-    except RankError as err:
-        if err.exc_type == "NotImplementedError":
-            raise CheckFailed(f"{what} is not implemented yet") from None
-        first = str(err).split("\n--- traceback")[0]
-        if "storage of size 0" in first:
-            first += (" -- a weight was used while freed: gather before the module's "
-                      "forward, and again before its backward (a hook on the forward output).")
-        raise CheckFailed(f"{what} failed on a rank: {first}") from None
 
 
 def _run_gather_free(gather, free):
@@ -104,8 +83,8 @@ def _run_gather_free(gather, free):
 
 def check_gather_free(gather, free) -> None:
     """2 ranks: a Linear(4, 3), 15 elements padded to 16, 8 per rank."""
-    res = _launch(_run_gather_free, 2, gather, free, what="gather/free",
-                  probe=lambda: (gather(None), free(None)))
+    res = on_ranks(_run_gather_free, 2, gather, free, what="gather/free",
+                   probe=lambda: (gather(None), free(None)), hints=FREED_HINT)
     for rank, out in enumerate(res):
         if out["states"][1] is not True:
             raise CheckFailed(f"rank {rank}: after gather the storage is still 0 bytes; grow it "
@@ -177,8 +156,8 @@ def check_attach(gather, free, attach) -> None:
     from helpers.data import make_dataset
     from helpers.model import build_model
 
-    res = _launch(_run_attach, 2, gather, free, attach, 2, what="attach",
-                  probe=lambda: attach(nn.Linear(1, 1), None, gather, free))
+    res = on_ranks(_run_attach, 2, gather, free, attach, 2, what="attach",
+                   probe=lambda: attach(nn.Linear(1, 1), None, gather, free), hints=FREED_HINT)
     data = make_dataset(num_sequences=64, seq_len=16)
     ref = build_model("toy", seed=0)
     for s in range(2):
