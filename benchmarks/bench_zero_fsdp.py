@@ -1,7 +1,7 @@
 """ZeRO stages and FSDP: measured bytes per rank, step time against PyTorch's FSDP2,
 and exposed communication with prefetch on and off. Ratios from one run.
 
-    python benchmarks/bench_zero_fsdp.py [--size tiny] [--steps 6]
+    python benchmarks/bench_zero_fsdp.py [--size tiny] [--steps 10]
 
 Bytes are measured from the tensors each rank holds (``ZeroOptimizer.state_bytes``)
 in the ZeRO paper's mixed precision (bf16 weights/grads, fp32 master + Adam).
@@ -47,7 +47,16 @@ def step_time(kind, size, seq, steps):
     tl = None
     if kind.startswith("zero3"):
         from helpers.zero import ZeroOptimizer
-        wrapped, opt = model, ZeroOptimizer(model, 3, lr=1e-3)
+        # "zero3": one collective per module; "zero3-ds": DeepSpeed's default
+        # stage3_prefetch_bucket_size, stage3_max_reuse_distance, reduce_bucket_size
+        # "zero3-block": windows of one transformer block, nothing kept for reuse
+        # (full weights held: about two blocks at a time, like FSDP with prefetch)
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        knobs = {"zero3-ds": dict(prefetch_bucket_numel=5 * 10**7, max_reuse_numel=10**9,
+                                  reduce_bucket_numel=5 * 10**8),
+                 "zero3-block": dict(prefetch_bucket_numel=block, reduce_bucket_numel=block),
+                 }.get(kind, {})
+        wrapped, opt = model, ZeroOptimizer(model, 3, lr=1e-3, **knobs)
     elif kind.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
         for blk in model.blocks:
@@ -98,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     _validate(args)
 
@@ -115,7 +124,7 @@ def main() -> None:
                   f"{comm / dp_comm:5.2f}")
 
     print(f"\nStep time, 2 ranks, {args.size}, seq {args.seq}, median of {args.steps - 1} steps")
-    kinds = ["ddp", "fsdp2", "zero3", "fsdp", "fsdp-noprefetch"]
+    kinds = ["ddp", "fsdp2", "zero3", "zero3-block", "zero3-ds", "fsdp", "fsdp-noprefetch"]
     res = {k: launch(step_time, 2, k, args.size, args.seq, args.steps, timeout=300)[0]
            for k in kinds}
     base = res["fsdp2"]["step"]
@@ -124,6 +133,9 @@ def main() -> None:
         if k.startswith("fsdp") and k != "fsdp2":
             extra = f"   exposed comm {res[k]['exposed'] * 1e3:6.1f} ms"
         print(f"{k:16s} {res[k]['step'] * 1e3:8.1f} ms   {res[k]['step'] / base:5.2f} x FSDP2{extra}")
+    print("zero3: one gather/free per module; zero3-block: + prefetch and reduce buckets of one"
+          " block;\nzero3-ds: DeepSpeed's default prefetch (5e7), reuse distance (1e9) and reduce"
+          " bucket (5e8 elements),\n  which hold the whole toy model gathered through the step")
 
 
 if __name__ == "__main__":

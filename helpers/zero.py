@@ -60,10 +60,40 @@ bytes: (N-1)/N * B; all-reduce: 2 (N-1)/N * B; Patarasuk & Yuan 2009). Gloo
 does not report what it sends; the tensor sizes are real, the algorithm is
 the model.
 
+Stage 3 with fewer, larger collectives
+--------------------------------------
+One collective per module is what makes plain stage 3 slow on small modules:
+a GPT block has six (two LayerNorms, four Linears), and each collective pays a
+fixed latency. DeepSpeed's stage 3 has two knobs against that, kept here
+under the same meaning (both off by default, so chapter 14 sees one
+collective per module):
+
+* ``prefetch_bucket_numel`` (DeepSpeed's ``stage3_prefetch_bucket_size``):
+  the first step records the order in which modules ask for their weights
+  (the *trace*). In later steps, when a module asks, the units the trace says
+  come next are all-gathered too, in one coalesced, asynchronous collective,
+  until that many elements are in flight. The next module then usually finds
+  its weights already there. More elements in flight: fewer collectives,
+  more overlap, more memory held. A step that leaves the trace (a different
+  forward) simply stops prefetching until the next ``step()``.
+* ``max_reuse_numel`` (DeepSpeed's ``stage3_max_reuse_distance``): a module
+  done with its weights does not free them if the trace says they are needed
+  again within that many elements of other units' requests (a tied
+  embedding, or the last blocks, whose backward comes right after their
+  forward). Without it, prefetch would gather a unit, free it, and gather it
+  again one module later.
+* ``reduce_bucket_numel`` (DeepSpeed's ``reduce_bucket_size``): gradients of
+  finished units wait in a bucket until it holds that many elements, then
+  one reduce-scatter handles them all.
+
+A coalesced collective over several units lays their chunks out rank by
+rank: ``[rank 0: chunk of A, chunk of B | rank 1: chunk of A, chunk of B]``,
+so rank r's piece is again "its chunk of every unit".
+
 How production differs: DeepSpeed's ZeRO adds gradient accumulation across
-micro-batches, CPU/NVMe offload, contiguous memory defragmentation, a
-parameter *prefetch* queue for stage 3 (chapter 15 adds prefetch to our
-FSDP), dynamic loss scaling, and per-parameter-group hyperparameters. Here
+micro-batches, CPU/NVMe offload, contiguous memory defragmentation, keeping
+small parameters unpartitioned (``stage3_param_persistence_threshold``),
+dynamic loss scaling, and per-parameter-group hyperparameters. Here
 weight decay applies to every parameter, as ``torch.optim.AdamW(model.parameters())``
 does, and frozen parameters are left alone (replicated, never sharded). A
 trainable parameter that got no gradient in a step is updated as if its
@@ -240,7 +270,8 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, process_group=None, precision: str = "fp32",
-                 bucket_cap_mb: float = 25.0, timeline=None):
+                 bucket_cap_mb: float = 25.0, timeline=None, prefetch_bucket_numel: int = 0,
+                 max_reuse_numel: int = 0, reduce_bucket_numel: int = 0):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DP), 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
@@ -252,6 +283,15 @@ class ZeroOptimizer:
                              f"weight_decay >= 0")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        for name, value in (("prefetch_bucket_numel", prefetch_bucket_numel),
+                            ("max_reuse_numel", max_reuse_numel),
+                            ("reduce_bucket_numel", reduce_bucket_numel)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (elements; 0 = off), got {value!r}")
+            if value and stage != 3:
+                raise ValueError(f"{name} is a stage-3 knob; stage {stage} got {value}")
+        self.prefetch_bucket_numel, self.max_reuse_numel = prefetch_bucket_numel, max_reuse_numel
+        self.reduce_bucket_numel = reduce_bucket_numel
         self.model, self.stage, self.group = model, stage, process_group
         self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
@@ -266,7 +306,12 @@ class ZeroOptimizer:
         self.step_count = 0
         self._comm: dict[str, float] = {}
         self._comm_last: dict[str, float] = {}
-        self._handles: list = []  # (work, bucket index, temp output) of in-flight reduce-scatters
+        self._handles: list = []  # (work, bucket indices, output, input) of in-flight reduce-scatters
+        self._pending: list = []  # stage 3: (bucket index, averaged full gradient) not yet sent
+        # stage 3 prefetch: the recorded order of weight requests, and where we are in it
+        self._trace: list[int] = []
+        self._recording, self._pos = True, 0
+        self._inflight: dict[int, tuple] = {}  # unit -> its (work, units, output) all-gather
 
         # Distinct trainable parameters (a tied weight appears once).
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
@@ -390,19 +435,87 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------- stage 3 gather/free
     def gather_unit(self, bi: int) -> None:
-        """All-gather bucket ``bi``'s full weights into its (re-grown) storage."""
-        full = self.unit_full[bi]
-        if _is_allocated(full):
-            return
-        _alloc(full)
+        """A module needs unit ``bi``'s full weights: make sure they are there,
+        then (with prefetch on) start gathering the units the trace says come next."""
+        upcoming = self._follow_trace(bi)
+        self._ensure_gathered(bi)
+        if self.prefetch_bucket_numel and upcoming:
+            self._prefetch(upcoming)
+
+    def _ensure_gathered(self, bi: int) -> None:
+        if bi in self._inflight:
+            self._complete(self._inflight[bi])  # prefetched: usually already arrived
+        elif not _is_allocated(self.unit_full[bi]):
+            self._complete(self._start_gather([bi]))
+
+    def _follow_trace(self, bi: int) -> range | list:
+        """Record (first step) or follow (later steps) the order of weight requests;
+        return the positions in the trace of the requests expected next."""
+        if self._recording:
+            self._trace.append(bi)
+            return []
+        if self._pos < len(self._trace) and self._trace[self._pos] == bi:
+            self._pos += 1
+        elif self._trace and self._trace[0] == bi:
+            self._pos = 1  # a new forward from the top (e.g. after an evaluation pass)
+        else:
+            self._pos = len(self._trace) + 1  # off the trace: no prefetch until step()
+            return []
+        return range(self._pos, len(self._trace))
+
+    def _prefetch(self, upcoming) -> None:
+        """Gather upcoming units, in one collective, until prefetch_bucket_numel
+        elements are in flight (DeepSpeed counts the same way)."""
+        in_flight = sum(self.partition.buckets[j].padded for j in self._inflight)
+        group: list[int] = []
+        for pos in upcoming:
+            if in_flight >= self.prefetch_bucket_numel:
+                break
+            j = self._trace[pos]
+            if j in group or j in self._inflight or _is_allocated(self.unit_full[j]):
+                continue
+            group.append(j)
+            in_flight += self.partition.buckets[j].padded
+        if group:
+            self._start_gather(group)
+
+    def _start_gather(self, units: list[int]) -> tuple:
+        """One asynchronous all-gather of ``units`` (coalesced if several)."""
+        buckets = self.partition.buckets
+        for j in units:
+            _alloc(self.unit_full[j])
+        name = f"all-gather {units[0]}" + (f"..{units[-1]}" if len(units) > 1 else "")
+        if len(units) == 1:  # straight into the unit's storage
+            inp, out = self._param_chunks[units[0]], self.unit_full[units[0]]
+        else:  # rank-major layout: [rank 0: A, B, ... | rank 1: A, B, ... | ...]
+            inp = torch.cat([self._param_chunks[j] for j in units])
+            out = torch.empty(self.world * inp.numel(), dtype=self.dtype)
+        work = None
         if self.world > 1:
             t0 = time.perf_counter()
-            work = all_gather(full, self._param_chunks[bi], group=self.group, async_op=True)
-            self._record(work, f"all-gather {bi}", t0)
-            self._wait(work, f"all-gather {bi}")
+            work = all_gather(out, inp, group=self.group, async_op=True)
+            self._record(work, name, t0)
         else:
-            full.copy_(self._param_chunks[bi])
-        self._count("all_gather", full.numel() * full.element_size())
+            out.copy_(inp)
+        self._count("all_gather", sum(buckets[j].padded for j in units) * out.element_size())
+        pending = (work, units, out, name)
+        for j in units:
+            self._inflight[j] = pending
+        return pending
+
+    def _complete(self, pending: tuple) -> None:
+        """Wait for a gather and move coalesced results into each unit's storage."""
+        work, units, out, name = pending
+        if work is not None:
+            self._wait(work, name)
+        if len(units) > 1:
+            columns, col = out.view(self.world, -1), 0
+            for j in units:
+                c = self.partition.buckets[j].chunk
+                self.unit_full[j].view(self.world, c).copy_(columns[:, col:col + c])
+                col += c
+        for j in units:
+            self._inflight.pop(j, None)
 
     def _record(self, work, name: str, t0: float) -> None:
         if self.timeline is not None:
@@ -418,7 +531,27 @@ class ZeroOptimizer:
             self.timeline.waited(work)
             self.timeline.poll()
 
+    def _release(self, bi: int) -> None:
+        """A module is done with unit bi: free it, unless it is needed again soon."""
+        if not self._reused_soon(bi):
+            self.free_unit(bi)
+
+    def _reused_soon(self, bi: int) -> bool:
+        """Does the trace request bi again within max_reuse_numel elements?"""
+        if not self.max_reuse_numel or self._recording or self._pos > len(self._trace):
+            return False
+        distance = 0
+        for j in self._trace[self._pos:]:
+            if j == bi:
+                return True
+            distance += self.partition.buckets[j].padded
+            if distance > self.max_reuse_numel:
+                return False
+        return False  # not again in this step
+
     def free_unit(self, bi: int) -> None:
+        if bi in self._inflight:  # never free storage a collective is writing into
+            self._complete(self._inflight[bi])
         _free(self.unit_full[bi])
 
     def _pre_forward(self, units):
@@ -430,7 +563,7 @@ class ZeroOptimizer:
     def _post_forward(self, units):
         def hook(module, args, out):
             for bi in units:
-                self.free_unit(bi)
+                self._release(bi)
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(pre_backward)
             return None
@@ -459,7 +592,8 @@ class ZeroOptimizer:
             self._launch_bucket(bi)
 
     def _launch_bucket(self, bi: int) -> None:
-        """Reduce-scatter bucket bi's gradients (async) and drop the full ones."""
+        """Bucket bi's gradients are complete: average them into one flat buffer,
+        drop the full ones, and reduce-scatter (now, or once the reduce bucket fills)."""
         b = self.partition.buckets[bi]
         buf = torch.zeros(b.padded, dtype=self.dtype)  # padding stays 0
         for i, off in zip(b.params, b.offsets):
@@ -468,19 +602,34 @@ class ZeroOptimizer:
                 buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None  # a rank keeps only its chunk (stage >= 2)
         buf.div_(self.world)  # average, not sum, of the ranks' gradients
-        out = torch.empty(b.chunk, dtype=self.dtype)
+        self._launched[bi] = True
+        if self.stage == 3:
+            self._release(bi)
+        self._pending.append((bi, buf))
+        if sum(g.numel() for _, g in self._pending) >= self.reduce_bucket_numel:
+            self._reduce_pending()
+
+    def _reduce_pending(self) -> None:
+        """One asynchronous reduce-scatter of every pending bucket (coalesced if several)."""
+        if not self._pending:
+            return
+        units = [bi for bi, _ in self._pending]
+        if len(units) == 1:
+            inp = self._pending[0][1]
+        else:  # rank-major layout, as in _start_gather: rank r receives its chunk of each
+            inp = torch.cat([g.view(self.world, -1) for _, g in self._pending], dim=1).reshape(-1)
+        self._pending = []
+        out = torch.empty(inp.numel() // self.world, dtype=self.dtype)
+        name = f"reduce-scatter {units[0]}" + (f"..{units[-1]}" if len(units) > 1 else "")
         work = None
         if self.world > 1:
             t0 = time.perf_counter()
-            work = reduce_scatter(out, buf, group=self.group, async_op=True)
-            self._record(work, f"reduce-scatter {bi}", t0)
+            work = reduce_scatter(out, inp, group=self.group, async_op=True)
+            self._record(work, name, t0)
         else:
-            out.copy_(buf)
-        self._count("reduce_scatter", buf.numel() * buf.element_size())
-        self._handles.append((work, bi, out, buf))
-        self._launched[bi] = True
-        if self.stage == 3:
-            self.free_unit(bi)
+            out.copy_(inp)
+        self._count("reduce_scatter", inp.numel() * inp.element_size())
+        self._handles.append((work, units, out, name))
 
     def _finish_reduction(self) -> None:
         # Buckets whose gradients never arrived (an unused module) are reduced
@@ -488,11 +637,15 @@ class ZeroOptimizer:
         for bi, done in enumerate(self._launched):
             if not done:
                 self._launch_bucket(bi)
-        for work, bi, out, _ in self._handles:
+        self._reduce_pending()
+        for work, units, out, name in self._handles:
             if work is not None:
-                self._wait(work, f"reduce-scatter {bi}")
-            b = self.partition.buckets[bi]
-            self.grad_shard[b.shard_start:b.shard_start + b.chunk].add_(out)
+                self._wait(work, name)
+            col = 0
+            for bi in units:
+                b = self.partition.buckets[bi]
+                self.grad_shard[b.shard_start:b.shard_start + b.chunk].add_(out[col:col + b.chunk])
+                col += b.chunk
         self._handles = []
         self._ready = [0] * len(self.partition.buckets)
         self._launched = [False] * len(self.partition.buckets)
@@ -527,6 +680,12 @@ class ZeroOptimizer:
             self._finish_reduction()
             grad_chunks = [self.grad_shard[b.shard_start:b.shard_start + b.chunk]
                            for b in part.buckets]
+        if self.stage == 3:
+            # Weights gathered ahead of a request that never came would be stale
+            # after this update: drop them. The trace is complete after step 1.
+            for bi in range(len(part.buckets)):
+                self.free_unit(bi)
+            self._recording, self._pos = False, 0
         # 2. AdamW on the chunks this rank owns, in fp32.
         for b, master, g in zip(part.buckets, self._master_chunks, grad_chunks):
             s = slice(b.shard_start, b.shard_start + b.chunk)
@@ -596,8 +755,8 @@ class ZeroOptimizer:
         if self.stage == 3:
             out = {}
             for bi, b in enumerate(self.partition.buckets):
-                was = _is_allocated(self.unit_full[bi])
-                self.gather_unit(bi)
+                was = _is_allocated(self.unit_full[bi]) and bi not in self._inflight
+                self._ensure_gathered(bi)
                 for i in b.params:
                     out[names[id(self.params[i])]] = self.params[i].detach().float().clone()
                 if not was:
