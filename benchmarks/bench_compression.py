@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
 from helpers import launch, rank_info  # noqa: E402
 
 
@@ -50,20 +51,6 @@ def run(kind, size, seq, steps):
     return {"step": sorted(times[1:])[len(times[1:]) // 2], "sent": sent, "dense": dense}
 
 
-def _validate(args) -> None:
-    """Bad arguments fail here, before any rank starts."""
-    from helpers.model import MODEL_SIZES
-    if args.size not in MODEL_SIZES:
-        raise ValueError(f"--size must be one of {sorted(MODEL_SIZES)}, got {args.size!r}")
-    block = MODEL_SIZES[args.size]["block_size"]
-    if not 1 <= args.seq <= block:
-        raise ValueError(f"--seq must be in [1, {block}] for size {args.size!r}, got {args.seq}")
-    if args.steps < 2:
-        raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {args.steps}")
-    if getattr(args, "world", 2) < 2:
-        raise ValueError(f"--world must be >= 2 to have anything to communicate, got {args.world}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny")
@@ -71,7 +58,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
-    _validate(args)
+    validate(args)
     kinds = ["fp32", "bf16", "top-k 1%", "PowerSGD 1", "PowerSGD 4", "PowerSGD 16",
              "PowerSGD 64"]
     res = {k: launch(run, args.world, k, args.size, args.seq, args.steps, timeout=300)[0]

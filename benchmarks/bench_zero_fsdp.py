@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
 from helpers import launch, rank_info  # noqa: E402
 from helpers.memory import model_state_bytes  # noqa: E402
 from helpers.model import build_model  # noqa: E402
@@ -89,27 +90,13 @@ def step_time(kind, size, seq, steps):
     return {"step": med(times), "exposed": med(exposed)}
 
 
-def _validate(args) -> None:
-    """Bad arguments fail here, before any rank starts."""
-    from helpers.model import MODEL_SIZES
-    if args.size not in MODEL_SIZES:
-        raise ValueError(f"--size must be one of {sorted(MODEL_SIZES)}, got {args.size!r}")
-    block = MODEL_SIZES[args.size]["block_size"]
-    if not 1 <= args.seq <= block:
-        raise ValueError(f"--seq must be in [1, {block}] for size {args.size!r}, got {args.seq}")
-    if args.steps < 2:
-        raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {args.steps}")
-    if getattr(args, "world", 2) < 2:
-        raise ValueError(f"--world must be >= 2 to have anything to communicate, got {args.world}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    _validate(args)
+    validate(args)
 
     print(f"Per-rank model-state bytes, measured ({args.size}, bf16 mixed precision)")
     print(f"{'N':>3} {'stage':>6} {'measured kB':>12} {'formula kB':>11} {'ratio':>6} "

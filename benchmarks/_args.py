@@ -1,0 +1,17 @@
+"""Argument checks shared by the benchmarks: bad arguments fail before any rank starts."""
+
+from __future__ import annotations
+
+
+def validate(args) -> None:
+    """--size, --seq, --steps (and --world if present) of a benchmark."""
+    from helpers.model import MODEL_SIZES
+    if args.size not in MODEL_SIZES:
+        raise ValueError(f"--size must be one of {sorted(MODEL_SIZES)}, got {args.size!r}")
+    block = MODEL_SIZES[args.size]["block_size"]
+    if not 1 <= args.seq <= block:
+        raise ValueError(f"--seq must be in [1, {block}] for size {args.size!r}, got {args.seq}")
+    if args.steps < 2:
+        raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {args.steps}")
+    if getattr(args, "world", 2) < 2:
+        raise ValueError(f"--world must be >= 2 to have anything to communicate, got {args.world}")
