@@ -192,7 +192,31 @@ def export_trace(fn: Callable[[], object], path: str) -> str:
     """Run ``fn()`` under torch.profiler (CPU) and write a Chrome/Perfetto trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
+    with _without_profiler_chatter():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
     prof.export_chrome_trace(str(path))
     return str(path)
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter():
+    """The profiler's C++ side writes "USDT: ... profiler_start/stop" lines straight to
+    file descriptor 2. Catch fd 2 meanwhile and pass on every other line."""
+    import os
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)

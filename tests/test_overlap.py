@@ -93,3 +93,18 @@ def test_export_trace(tmp_path):
     path = export_trace(lambda: torch.randn(64, 64) @ torch.randn(64, 64), tmp_path / "t.json")
     data = json.loads(open(path).read())
     assert any("mm" in e.get("name", "") for e in data["traceEvents"])
+
+
+def test_export_trace_drops_profiler_chatter_but_keeps_other_stderr(tmp_path, capfd):
+    import os
+
+    from helpers.overlap import export_trace
+
+    def fn():
+        torch.ones(3).sum()
+        os.write(2, b"a real warning\n")
+
+    path = export_trace(fn, tmp_path / "trace.json")
+    err = capfd.readouterr().err
+    assert os.path.getsize(path) > 0
+    assert "USDT" not in err and "a real warning" in err
