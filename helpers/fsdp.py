@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.overlap import record_comm, wait_comm
 from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
                           reduce_scatter, ring_bytes_sent)
 
@@ -254,18 +255,10 @@ class FSDP(nn.Module):
             _free(u.full)
 
     def _wait(self, work, name) -> None:
-        """Block until ``work`` is done; the blocked time is exposed communication."""
-        t0 = time.perf_counter()
-        work.wait()
-        if self.timeline is not None:
-            self.timeline.add("wait", name, t0, time.perf_counter())
-            self.timeline.waited(work)
-            self.timeline.poll()
+        wait_comm(self.timeline, work, name)
 
     def _record_comm(self, work, name, t0):
-        if self.timeline is not None:
-            self.timeline.poll()
-            self.timeline.comm(work, name, t0)
+        record_comm(self.timeline, work, name, t0)
 
     # ------------------------------------------------------------ hooks
     def _root_pre_forward(self, module, args):

@@ -116,6 +116,24 @@ class Timeline:
         return exposed_comm(self.events)
 
 
+def record_comm(timeline: "Timeline | None", work, name: str, start: float) -> None:
+    """Note an async collective issued at ``start`` on ``timeline`` (if any)."""
+    if timeline is not None:
+        timeline.poll()
+        timeline.comm(work, name, start)
+
+
+def wait_comm(timeline: "Timeline | None", work, name: str) -> None:
+    """Block on ``work``; with a timeline the blocked time is a "wait" span
+    (exposed communication)."""
+    t0 = time.perf_counter()
+    work.wait()
+    if timeline is not None:
+        timeline.add("wait", name, t0, time.perf_counter())
+        timeline.waited(work)
+        timeline.poll()
+
+
 def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(spans):

@@ -112,6 +112,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.memory import ModelStateBytes
+from helpers.overlap import record_comm, wait_comm
 
 __all__ = ["ZeroOptimizer", "FlatPartition", "Bucket", "size_buckets", "ring_bytes_sent",
            "adamw_update", "reduce_scatter", "all_gather", "PRECISIONS"]
@@ -490,13 +491,7 @@ class ZeroOptimizer:
         else:  # rank-major layout: [rank 0: A, B, ... | rank 1: A, B, ... | ...]
             inp = torch.cat([self._param_chunks[j] for j in units])
             out = torch.empty(self.world * inp.numel(), dtype=self.dtype)
-        work = None
-        if self.world > 1:
-            t0 = time.perf_counter()
-            work = all_gather(out, inp, group=self.group, async_op=True)
-            self._record(work, name, t0)
-        else:
-            out.copy_(inp)
+        work = self._issue(all_gather, out, inp, name)
         self._count("all_gather", sum(buckets[j].padded for j in units) * out.element_size())
         pending = (work, units, out, name)
         for j in units:
@@ -517,19 +512,19 @@ class ZeroOptimizer:
         for j in units:
             self._inflight.pop(j, None)
 
-    def _record(self, work, name: str, t0: float) -> None:
-        if self.timeline is not None:
-            self.timeline.poll()
-            self.timeline.comm(work, name, t0)
+    def _issue(self, collective, out: torch.Tensor, inp: torch.Tensor, name: str):
+        """Start ``collective(out, inp)`` asynchronously (None on one rank, where
+        out is inp); recorded on the timeline."""
+        if self.world == 1:
+            out.copy_(inp)
+            return None
+        t0 = time.perf_counter()
+        work = collective(out, inp, group=self.group, async_op=True)
+        record_comm(self.timeline, work, name, t0)
+        return work
 
     def _wait(self, work, name: str) -> None:
-        """Block on ``work``; with a timeline the blocked time is recorded as a wait."""
-        t0 = time.perf_counter()
-        work.wait()
-        if self.timeline is not None:
-            self.timeline.add("wait", name, t0, time.perf_counter())
-            self.timeline.waited(work)
-            self.timeline.poll()
+        wait_comm(self.timeline, work, name)
 
     def _release(self, bi: int) -> None:
         """A module is done with unit bi: free it, unless it is needed again soon."""
@@ -621,13 +616,7 @@ class ZeroOptimizer:
         self._pending = []
         out = torch.empty(inp.numel() // self.world, dtype=self.dtype)
         name = f"reduce-scatter {units[0]}" + (f"..{units[-1]}" if len(units) > 1 else "")
-        work = None
-        if self.world > 1:
-            t0 = time.perf_counter()
-            work = reduce_scatter(out, inp, group=self.group, async_op=True)
-            self._record(work, name, t0)
-        else:
-            out.copy_(inp)
+        work = self._issue(reduce_scatter, out, inp, name)
         self._count("reduce_scatter", inp.numel() * inp.element_size())
         self._handles.append((work, units, out, name))
 
