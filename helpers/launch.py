@@ -193,6 +193,15 @@ def _torchrun_info() -> RankInfo:
                     backend, device if torch.cuda.is_available() or device == "cpu" else "cpu")
 
 
+def _destroy_group_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.barrier()  # no rank tears down while a peer still talks to it
+        dist.destroy_process_group()
+
+
 def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, seed, seed_per_rank):
     import torch
     import torch.distributed as dist
@@ -209,6 +218,10 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, seed,
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        # We made the group, so we take it down: a group still alive when the
+        # interpreter exits can abort the process ("terminate called without an
+        # active exception" from a gloo thread), failing a job that succeeded.
+        atexit.register(_destroy_group_at_exit)
     rank = dist.get_rank()
     _seed_everything(seed + rank if seed_per_rank else seed)
     result = _to_cpu(fn(*args, **kwargs))
