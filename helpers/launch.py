@@ -21,9 +21,9 @@ How it works
   ranks are kept in a **pool** after a successful launch: the next launch with
   the same world size and backend reuses the processes (with a fresh process
   group) and costs a few tens of milliseconds.
-  After a failure the pool is killed and the next launch builds a new one,
-  except when every rank came back with an ordinary exception on gloo (a
-  failed check, a wrong shape): those processes are healthy, so they stay.
+  After any failure the pool is killed and the next launch builds a new one:
+  a rank that raised may have left threads, pending sends or half-built state
+  behind, and a clean slate costs only the start-up time again.
 * Rendezvous: the caller owns a ``TCPStore`` listening on 127.0.0.1 on a port
   the operating system picks (port 0). Nothing is chosen then released, so two
   launches at once, or another program, cannot steal the port.
@@ -415,7 +415,6 @@ class _Pool:
         import torch.distributed as dist
 
         self.world_size, self.backend = world_size, backend
-        self.healthy_after_failure = False  # set by _collect when a launch fails
         # The caller hosts the store; port 0 -> the OS picks a free port and we keep it.
         self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                                    timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -554,14 +553,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         pool = _get_pool(world_size, backend, start_deadline)
         _Pool._generation += 1
         task = _make_task(_Pool._generation, timeout, seed, seed_per_rank, payload)
-        pool.healthy_after_failure = False
         try:
             for c in pool.conns:
                 c.send_bytes(task)
             return _collect(pool, time.monotonic() + timeout)
         except BaseException:
-            if not pool.healthy_after_failure:
-                _kill_pool()  # a rank died, hung or broke a collective: none survives
+            _kill_pool()  # any failure (or Ctrl-C): no rank outlives it
             raise
 
 
@@ -610,14 +607,6 @@ def _collect(pool: _Pool, deadline: float) -> list[Any]:
             give_up_at = time.monotonic() + _GRACE
 
     if failures:
-        # Every rank returned an ordinary exception (none died, none is stuck in or
-        # broke a collective): the processes are back in their task loop and the
-        # next launch gets a fresh process group, so the pool can stay. Only on gloo:
-        # an NCCL communicator that saw an error may abort its process later.
-        pool.healthy_after_failure = (
-            pool.backend == "gloo" and len(failures) == n
-            and all(kind == "error" and not _is_comm_error(details)
-                    for _, kind, details in failures))
         _raise_root_cause(failures)
     if len(results) == n:
         return [results[r] for r in range(n)]
