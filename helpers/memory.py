@@ -30,7 +30,9 @@ is attention's score-sized tensors (softmax output, its dropout mask, the
 dropped-out probabilities). Tensor parallelism (t ranks) divides the 24 sbh and
 the 5 a s^2 b that live inside the parallel region; sequence parallelism
 divides the remaining 10 sbh too; selective recompute drops the 5 a s^2 b;
-full recompute keeps only the layer input, 2 sbh (``activation_bytes_per_layer``).
+full recompute keeps only the layer input, 2 sbh, or 2 sbh/t with sequence
+parallelism, where that input is already split along the sequence (a deviation
+from Table 2, explained in ``activation_bytes_per_layer``).
 
 Measured, not guessed: ``SavedTensorCounter`` installs
 ``torch.autograd.graph.saved_tensors_hooks`` and sees every tensor autograd
@@ -95,8 +97,10 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
         raise ValueError(f"n_params must be >= 0, got {n_params}")
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp (data-parallel ranks) must be a positive int, got {dp!r}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    # bool is an int in Python (True == 1): refuse it rather than read True as stage 1
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) \
+            or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be the int 0, 1, 2 or 3, got {zero_stage!r}")
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
                         ("optimizer_bytes", optimizer_bytes)):
         if value < 0:
@@ -134,13 +138,20 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
         TP + selective recompute     sbh (10 + 24/t)                  sec. 5
         TP + SP + selective          sbh/t * 34                       sec. 5
         full recompute               2 sbh (the layer input only)     sec. 5
+        full recompute + SP          2 sbh / t    (ours, not Table 2: see below)
 
     The "10 sbh" outside the tensor-parallel region are the two LayerNorm
     inputs (4 sbh), the two residual dropout masks (2 sbh) and the inputs of
     the QKV and first MLP matmuls (4 sbh); sequence parallelism shards them
-    too. With full recompute and sequence parallelism we keep the layer input
-    sharded along the sequence, 2sbh/t (Table 2 lists 2sbh, its baseline
-    stores the input whole).
+    too.
+
+    Full recompute with sequence parallelism deviates from Table 2 on
+    purpose. Table 2 lists 2sbh for full recompute whatever the parallelism,
+    and sec. 5 notes that keeping only a 1/t slice of the input would cost an
+    extra all-gather per layer, so the paper does not count it. With sequence
+    parallelism the layer input already *is* sequence-sharded (it leaves the
+    previous layer's reduce-scatter in pieces of s/t), so keeping it costs
+    2sbh/t and no extra communication; that is what we return.
     """
     for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
                         ("tp", tp)):
@@ -168,16 +179,24 @@ def activation_bytes_model(seq: int, batch: int, hidden: int, heads: int, layers
                            tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                            recompute: str = "none", vocab: int | None = None,
                            interleave: int = 1) -> float:
-    """Activation bytes on the busiest GPU: the first pipeline stage (Korthikanti sec. 4.3).
+    """Activation bytes on the busiest GPU: the first pipeline stage.
 
-    With a 1F1B schedule the first of ``pp`` stages holds ``layers / pp`` layers
-    for ``pp`` micro-batches in flight, i.e. ``layers`` layers' worth, whatever
-    ``pp`` is; the interleaved schedule with ``interleave`` = m chunks per
-    stage multiplies that by (1 + (p - 1) / (p m)). Add the embedding's dropout
-    mask, s b h p / t (sharded only with sequence parallelism), and when there
-    is no pipeline (stage 1 is also the last) the output layer:
-    4 s b h / t (1 + v / h) (the final LayerNorm and projection inputs plus the
-    fp32 logits of the cross-entropy).
+    Korthikanti et al. 2022, sec. 4.2.3: with a 1F1B schedule the first of
+    ``pp`` stages holds ``layers / pp`` layers for ``pp`` micro-batches in
+    flight, i.e. ``layers`` layers' worth, whatever ``pp`` is; the
+    interleaved schedule with ``interleave`` = m chunks per stage multiplies
+    that by (1 + (p - 1) / (p m)).
+
+    Sec. 4.3 adds what lies outside the layers: the embedding's dropout mask,
+    s b h p bytes (p micro-batches in flight; /t only with sequence
+    parallelism), and when there is no pipeline (stage 1 is also the last)
+    the output layer: the final LayerNorm input (2sbh), the output
+    projection's input (2sbh) and the fp32 logits the cross-entropy keeps
+    (4sbv). The paper writes their sum as 4sbh/t (1 + v/h) because it assumes
+    sequence parallelism throughout; without it the two sbh-sized inputs are
+    whole on every tensor-parallel rank and only the logits are split (the
+    output layer and its cross-entropy are vocabulary-parallel), so we use
+    4sbh + 4sbv/t there.
     """
     _positive_int("layers", layers)
     _positive_int("pp", pp)
@@ -194,13 +213,19 @@ def activation_bytes_model(seq: int, batch: int, hidden: int, heads: int, layers
     total += sbh * pp / (tp if sequence_parallel else 1)     # embedding dropout mask
     if pp == 1 and vocab is not None:
         _positive_int("vocab", vocab)
-        total += 4 * sbh / tp * (1 + vocab / hidden)
+        sv = seq * batch * vocab
+        total += 4 * sbh / (tp if sequence_parallel else 1)   # final LN + projection inputs
+        total += 4 * sv / tp                                   # fp32 logits, vocab-parallel
     return total
 
 
 # Published shapes for the calculator. Parameter counts are the nominal ones
-# (70e9, as in the "70B -> 1,120 GB" arithmetic); grouped-query attention of
-# Llama 2 70B is ignored (it shrinks K/V, not the formula's other terms).
+# (70e9, as in the "70B -> 1,120 GB" arithmetic). The activation formula is
+# Korthikanti's GPT layer, so the "Llama 2" rows are Llama 2's s/h/a/L/v run
+# through a GPT layer: a 4h GeLU MLP (2 + 8 + 8 + 1 sbh of the 34). Llama 2's
+# own MLP is SwiGLU with three matrices and width 11008 (7B, ~2.7h) or 28672
+# (70B, 3.5h), which saves different tensors, and 70B's grouped-query
+# attention shrinks K and V; neither is modelled here.
 MODEL_PRESETS: dict[str, dict] = {
     "7B (Llama 2)": dict(n_params=7e9, hidden=4096, heads=32, layers=32, vocab=32000),
     "70B (Llama 2)": dict(n_params=70e9, hidden=8192, heads=64, layers=80, vocab=32000),

@@ -20,6 +20,13 @@ def test_zero_paper_figure_1(stage, gb):
     assert round(got, 1) == gb
 
 
+@pytest.mark.parametrize("stage", [True, False, 1.0, "1", 4, -1])
+def test_zero_stage_must_be_an_int_stage(stage):
+    # True == 1 in Python: without the check, zero_stage=True silently meant stage 1
+    with pytest.raises(ValueError, match="zero_stage must be the int 0, 1, 2 or 3"):
+        model_state_bytes(7.5e9, dp=64, zero_stage=stage)
+
+
 def test_korthikanti_table_2_forms():
     s, b, h, a, t = 2048, 1, 12288, 96, 8        # GPT-3 175B shapes (Korthikanti Table 3)
     sbh = s * b * h
@@ -30,7 +37,21 @@ def test_korthikanti_table_2_forms():
     assert f(tp=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
     assert f(tp=t, sequence_parallel=True, recompute="selective") == pytest.approx(sbh * 34 / t)
     assert f(recompute="full") == pytest.approx(2 * sbh)
+    assert f(tp=t, recompute="full") == pytest.approx(2 * sbh)   # Table 2: input kept whole
     assert f(tp=1) == f()                                  # t = 1 reduces to no parallelism
+
+
+def test_full_recompute_with_sequence_parallel_keeps_the_sharded_input():
+    # Deliberate deviation from Korthikanti Table 2 (2sbh): with sequence parallelism the
+    # layer input is already split along s, so keeping it costs 2sbh/t and no all-gather.
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    full_sp = activation_bytes_per_layer(s, b, h, a, tp=t, sequence_parallel=True,
+                                         recompute="full")
+    assert full_sp == pytest.approx(2 * s * b * h / t)
+    assert full_sp == activation_bytes_per_layer(s // t, b, h, a, recompute="full")  # s/t rows
+    whole = activation_bytes_model(s, b, h, a, 96, tp=t, pp=8, sequence_parallel=True,
+                                   recompute="full")
+    assert whole == pytest.approx(96 * 2 * s * b * h / t + s * b * h * 8 / t)
 
 
 def test_whole_model_first_stage():
@@ -45,6 +66,24 @@ def test_whole_model_first_stage():
     nopp = activation_bytes_model(s, b, h, a, L, vocab=v)
     per1 = activation_bytes_per_layer(s, b, h, a)
     assert nopp == pytest.approx(per1 * L + s * b * h + 4 * s * b * h * (1 + v / h))
+
+
+def test_output_layer_terms_sec_4_3():
+    s, b, h, a, L, v, t = 2048, 1, 12288, 96, 96, 51200, 8
+    sbh = s * b * h
+
+    def extra(sp):      # what activation_bytes_model adds beyond the layers
+        layers = activation_bytes_per_layer(s, b, h, a, tp=t, sequence_parallel=sp) * L
+        return activation_bytes_model(s, b, h, a, L, tp=t, sequence_parallel=sp,
+                                      vocab=v) - layers
+    # with sequence parallelism: the paper's sbhp/t + 4sbh/t (1 + v/h), p = 1
+    assert extra(True) == pytest.approx(sbh / t + 4 * sbh / t * (1 + v / h))
+    # without it, the embedding mask and the final LN / projection inputs are whole on
+    # every rank; only the vocabulary-parallel fp32 logits (4sbv) are split over t
+    assert extra(False) == pytest.approx(sbh + 4 * sbh + 4 * s * b * v / t)
+    # a pipeline's first stage holds no output layer
+    assert activation_bytes_model(s, b, h, a, L, tp=t, pp=2, vocab=v) == \
+        activation_bytes_model(s, b, h, a, L, tp=t, pp=2)
 
 
 @pytest.mark.parametrize("kwargs, msg", [
