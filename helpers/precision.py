@@ -437,7 +437,12 @@ def swap_to_fp8(model: nn.Module, skip: Iterable[str] = ("lm_head",), **kwargs) 
 
     The output layer is skipped by default: its weight is tied to the
     embedding, and the logits are the most precision-sensitive GEMM (common
-    practice, e.g. in torchao's float8 recipes).
+    practice, e.g. in torchao's float8 recipes). Only nn.Linear layers change:
+    matmuls of two activations (attention's q k^T and att @ v) have no weight
+    and stay in the model's dtype, as Transformer Engine does by default
+    (its FP8 attention, the recipe's ``fp8_dpa``, is opt-in).
+    In our GPT that leaves four FP8 linears per block (attn.c_attn,
+    attn.c_proj, mlp.c_fc, mlp.c_proj), three FP8 GEMMs each per step.
     """
     skip = set(skip)
     for name, module in list(model.named_modules()):

@@ -11,6 +11,7 @@ Cost", sec. 4.1).
     everything ("none")     sbh (34 + 5as/h)                       0
     "selective"             34 sbh   (score-sized tensors dropped)  ~2.7% FLOPs (GPT-3, sec. 5)
     "full"                  2 sbh    (the block input only)        one forward, ~+33%
+                            (2 sbh/t with sequence parallelism: the input is already split)
 
 Selective recompute (Korthikanti et al. 2022, sec. 5) re-runs only
 ``attn.core``: softmax(q k^T) v. Its saved tensors grow like a*s^2*b, but it
