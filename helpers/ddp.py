@@ -42,6 +42,10 @@ the flag such a bucket is launched at the end of backward, and the
 parameter's gradient is the average where zero stands for "no gradient" (DDP
 would raise an error instead).
 
+A backward that raises part-way (or is interrupted) never reaches step 5.
+The next forward notices, waits for the buckets that backward had already
+launched, and starts clean, so the following backward averages again.
+
 Cost
 ----
 The same bytes as naive DP (one all-reduce of every gradient, ch. 02), plus
@@ -214,6 +218,13 @@ class BucketedDDP(nn.Module):
 
     # -- forward ---------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._in_backward:
+            # The previous backward never reached _finalize: it raised (or was
+            # interrupted) part-way. Autograd drops the queued callback with the
+            # failed graph, so without this reset every later backward would see
+            # _in_backward == True, skip _begin_backward and never finalize:
+            # gradients silently left un-averaged, forever.
+            self._abandon_backward()
         out = self.module(*args, **kwargs)
         # As in DDP, the decision to reduce is taken here, at forward time: a
         # backward through a forward run inside no_sync() (or through the bare
@@ -253,6 +264,24 @@ class BucketedDDP(nn.Module):
         self.next_bucket = 0                             # first bucket not launched yet
         self.futures: list = [None] * len(self.buckets)
         self._locally_used = [True] * len(self.params)
+
+    def _abandon_backward(self) -> None:
+        """Forget a backward that failed before finishing (called from forward).
+
+        Buckets it had already launched are still being all-reduced into
+        ``self._flat``; wait for them so that the next backward does not copy
+        gradients into a buffer the old collective is writing, and so that the
+        next collectives pair with the same calls on the other ranks. This
+        assumes every rank failed at the same point (the same exception in the
+        same backward); if only some ranks failed, the ranks have issued
+        different collectives and the job must restart, as with DDP.
+        """
+        for fut in self.futures:
+            if fut is not None:
+                with contextlib.suppress(Exception):  # that iteration's result is discarded
+                    fut.wait()
+        self._reset_state()
+        self._in_backward = False
 
     def record(self, bucket: int, event: str) -> None:
         self.timeline.append({"bucket": bucket, "event": event, "t": time.perf_counter()})

@@ -220,3 +220,61 @@ def test_training_equals_single_process_and_no_sync_accumulation():
                 # fp32 reduction order differs from one process: ~1e-7, x 3 momentum steps
                 torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
         assert all(torch.equal(results[0][0][k], results[1][0][k]) for k in ref)
+
+
+class _Raise(torch.autograd.Function):
+    """Identity forward; backward raises, as an error (or Ctrl-C) mid-backward would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward interrupted on purpose")
+
+
+class _ThreeLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, fail=False):
+        h = torch.tanh(self.a(x))
+        if fail:  # raises after c's and b's gradients are ready (their buckets launched)
+            h = _Raise.apply(h)
+        return self.c(torch.tanh(self.b(h))).pow(2).mean()
+
+
+def _after_failed_backward():
+    """One backward raises on every rank; the next two must still average gradients."""
+    r, p = rank_info().rank, rank_info().world_size
+    model = _ThreeLinear()
+    ref = copy.deepcopy(model)  # seed 0 on every rank: the same start as after the broadcast
+    ddp = BucketedDDP(model, bucket_cap_mb=0, first_bucket_mb=0)  # one bucket per parameter
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(p * 3, 4, generator=g) for _ in range(3)]  # global batches
+    mine = lambda x: x[r * 3:(r + 1) * 3]  # noqa: E731  (this rank's shard)
+    try:
+        ddp(mine(xs[0]), fail=True).backward()
+        raise AssertionError("the backward was meant to raise")
+    except RuntimeError as e:
+        assert "on purpose" in str(e)
+    launched_before_failure = sum(e["event"] == "launched" for e in ddp.timeline)
+    diffs = []
+    for x in xs[1:]:
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        ddp(mine(x)).backward()
+        ref(x).backward()  # single process, the whole global batch
+        diffs.append(max(float((a.grad - b.grad).abs().max())
+                         for a, b in zip(model.parameters(), ref.parameters())))
+    return launched_before_failure, diffs
+
+
+@pytest.mark.slow
+def test_gradients_still_averaged_after_a_backward_that_raised():
+    for launched, diffs in launch(_after_failed_backward, 2):
+        assert launched >= 2  # c's buckets were in flight when backward raised
+        # mean of two shard means vs one mean over the batch: fp32 rounding only
+        assert max(diffs) < 1e-6, diffs
