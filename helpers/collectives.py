@@ -84,14 +84,11 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def _ring(group) -> tuple[int, int, int, int]:
-    """(rank, world_size, global rank of right neighbour, global rank of left neighbour)."""
+    """(rank, world_size, right neighbour, left neighbour), all ranks *within* ``group``."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1, 0, 0  # no process group: one rank, the collectives do nothing
     rank, p = dist.get_rank(group), dist.get_world_size(group)
-    right, left = (rank + 1) % p, (rank - 1) % p
-    if group is not None:  # isend/irecv address peers by their global rank
-        right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
-    return rank, p, right, left
+    return rank, p, (rank + 1) % p, (rank - 1) % p
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,19 +100,29 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int) -> None:
-    """Send ``send`` to the right neighbour while receiving ``recv`` from the left.
+def _post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> list:
+    """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left.
 
-    Both are posted before waiting on either: with blocking send then recv,
-    every rank would sit in send waiting for a receiver that is itself sending.
+    Returns the requests; wait on all of them before touching either tensor.
+
+    The two are posted as *one* batch (``batch_isend_irecv``), not as two
+    separate ``isend``/``irecv`` calls. With gloo either way works. With NCCL
+    a lone send of a large message may block until the peer posts the matching
+    receive, and each separate call is its own NCCL operation: if every rank
+    posts its send first, every rank waits for a receive that nobody has
+    posted yet. At 2 ranks it is worse still: left == right, so a send to and
+    a receive from the *same* peer sit in two calls that can each wait for the
+    other. A batch is one NCCL group (ncclGroupStart/End), in which sends and
+    receives progress together, so no ordering of the ring can deadlock. It
+    is how NCCL users write a ring exchange. Empty tensors (chunks of a tensor
+    smaller than the world) are left out on both sides of the pair alike.
     """
     ops = []
     if send.numel():
-        ops.append(dist.isend(send, right))
+        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=right))
     if recv.numel():
-        ops.append(dist.irecv(recv, left))
-    for op in ops:
-        op.wait()
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=left))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 # Reduce-scatter moves a chunk in segments of this many bytes, so that adding
@@ -158,19 +165,28 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None,
     # The chunk received in the last step (s = p-2) is chunk `rank`, which by then
     # has collected the contributions of all p ranks (Patarasuk & Yuan 2009, sec. 4).
     per = max(1, SEGMENT_BYTES // flat.element_size())
+    empty = flat[:0]
     for s in range(p - 1):
         a, b = bounds[(rank - s - 1) % p]
         c, d = bounds[(rank - s - 2) % p]
-        # Post every segment's send and receive, then add each segment as it lands
-        # while the next ones are still on the wire. Messages between the same pair
-        # of ranks are matched in the order they were posted.
-        sends = [dist.isend(flat[x:y], right) for x, y in _segments(a, b, per)]
-        recvs = [(dist.irecv(buf[x - c:y - c], left), x, y) for x, y in _segments(c, d, per)]
-        for req, x, y in recvs:
-            req.wait()
+        # Segment i of the outgoing chunk travels with segment i of the incoming
+        # one, as one batch (_post_pair). Post every segment's batch, then add each
+        # received segment as soon as its batch is done, while later segments are
+        # still on the wire. Sender and receiver cut a chunk into the same segments
+        # (same chunk_bounds, same `per`); messages between one pair of ranks are
+        # matched in the order they were posted. The two chunks may differ by one
+        # element, so one of them can have a segment more: that batch is one-sided,
+        # and so is its partner on the neighbour.
+        out, inc = _segments(a, b, per), _segments(c, d, per)
+        pending = []
+        for i in range(max(len(out), len(inc))):
+            snd = flat[out[i][0]:out[i][1]] if i < len(out) else empty
+            x, y = inc[i] if i < len(inc) else (c, c)
+            pending.append((_post_pair(snd, buf[x - c:y - c], right, left, group), x, y))
+        for reqs, x, y in pending:
+            for req in reqs:
+                req.wait()
             flat[x:y].add_(buf[x - c:y - c])  # (segment,) += (segment,)
-        for req in sends:
-            req.wait()
     a, b = bounds[rank]
     return flat[a:b]
 
@@ -189,7 +205,8 @@ def ring_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
     for s in range(p - 1):
         a, b = bounds[(rank - s) % p]
         c, d = bounds[(rank - s - 1) % p]
-        _exchange(flat[a:b], flat[c:d], right, left)
+        for req in _post_pair(flat[a:b], flat[c:d], right, left, group):
+            req.wait()
     return tensor
 
 

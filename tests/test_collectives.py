@@ -57,7 +57,8 @@ def _compare(group, member_rank, p, seed):
 def _ring_vs_gloo():
     """One 4-rank launch covers p = 4 (world), 3 ({0,1,2}) and 2 ({0,2}, {1,3}).
 
-    The subgroups also prove that peers are addressed by their *global* rank.
+    The subgroups also prove that peers are addressed within the group (rank 1 of
+    {1, 3} is global rank 3), not as global ranks 0..p-1.
     """
     import helpers.collectives as C
 
