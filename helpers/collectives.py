@@ -54,6 +54,7 @@ messages; on large ones it keeps up with gloo (benchmarks/bench_collectives.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Iterable, Sequence
@@ -63,7 +64,7 @@ import torch.distributed as dist
 
 __all__ = ["chunk_bounds", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "ring_all_reduce_time", "tree_all_reduce_time", "bus_bandwidth", "BUSBW_FACTORS",
-           "measure_collective", "sweep", "fit_alpha_beta"]
+           "check_sweep_args", "sweep", "fit_alpha_beta"]
 
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -98,6 +99,35 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError("ring collectives work in place on a contiguous tensor; "
                          "call .contiguous() first (and copy the result back)")
     return tensor.view(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_add(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether torch can add two tensors of ``dtype`` on this kind of device.
+
+    Asked once per (dtype, device type) with a one-element tensor: which
+    dtypes have an addition kernel differs between CPU and GPU builds
+    (uint16 and the float8 types have none on CPU in torch 2.x).
+    """
+    try:
+        x = torch.zeros(1, dtype=dtype, device=device_type)
+        x.add_(x)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _check_summable(tensor: torch.Tensor, what: str) -> None:
+    """Refuse, on every rank alike and before any message, a dtype the ring cannot add."""
+    if tensor.dtype == torch.bool:
+        # gloo and NCCL treat a bool "sum" as a logical or; a ring of add_ cannot
+        # say which the caller meant.
+        raise TypeError(f"{what} sums; a bool tensor has no sum. Cast it first: "
+                        f".to(torch.uint8) for a count, or use dist.all_reduce for a logical or.")
+    if not _has_add(tensor.dtype, tensor.device.type):
+        raise TypeError(f"{what} adds chunks with torch's add_, which has no kernel for "
+                        f"{tensor.dtype} on {tensor.device.type}. Sum in a wider dtype "
+                        f"(e.g. x.float()) and cast back.")
 
 
 def _post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> list:
@@ -156,6 +186,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None,
     keeps persistent buffers.
     """
     flat = _flat(tensor)
+    _check_summable(flat, "ring_reduce_scatter")
     rank, p, right, left = _ring(group)
     if p == 1:
         return flat
@@ -215,10 +246,13 @@ def ring_all_reduce(tensor: torch.Tensor, group=None,
     """In-place sum over the group, as reduce-scatter then all-gather. Returns ``tensor``.
 
     Same result as ``dist.all_reduce(tensor)`` (up to floating-point summation
-    order; exact for integers). ``workspace``: see ``ring_reduce_scatter``.
+    order; exact for integers, which wrap around on overflow as gloo's do).
+    Any dtype torch can add on the tensor's device, including int16, which
+    gloo's own all_reduce refuses; bool and dtypes without an add kernel
+    (uint16, float8 on CPU) raise TypeError before any message is sent.
+    ``workspace``: see ``ring_reduce_scatter``.
     """
-    if tensor.dtype == torch.bool:
-        raise TypeError("ring_all_reduce sums; a bool tensor has no sum. Cast to int first.")
+    _check_summable(_flat(tensor), "ring_all_reduce")
     ring_reduce_scatter(tensor, group, workspace)
     ring_all_gather(tensor, group)
     return tensor
@@ -278,39 +312,37 @@ def bus_bandwidth(algbw: float, world_size: int, op: str = "all_reduce") -> floa
 def _all_reduce_impl(impl: str, workspace: torch.Tensor | None = None):
     if impl == "ring":
         return lambda t: ring_all_reduce(t, workspace=workspace)
-    if impl in ("torch", "gloo", "nccl"):  # the backend's own all_reduce
+    if impl == "torch":  # the backend's own all_reduce
         return lambda t: dist.all_reduce(t)
-    raise ValueError(f"impl must be 'ring' or 'torch', got {impl!r}")
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def measure_collective(nbytes: int, impl: str = "ring", iters: int = 5, warmup: int = 1,
-                       device: str | torch.device = "cpu") -> float:
-    """Seconds per all-reduce of ``nbytes`` (float32), slowest rank, median of ``iters``.
+IMPLS = ("ring", "torch")  # "torch": the backend's own dist.all_reduce (gloo or nccl)
 
-    Call on every rank. A barrier lines the ranks up before each timed call,
-    so each sample is one collective, not the ranks' skew.
+
+def check_sweep_args(sizes: Iterable[int], impls: Sequence[str], iters: int,
+                     warmup: int) -> list[int]:
+    """Validate ``sweep``'s arguments; returns ``sizes`` as a list of ints.
+
+    Call it before starting ranks (the benchmark does) to fail at once with a
+    clear message; ``sweep`` calls it too, on every rank, before any collective.
     """
-    n = max(1, int(nbytes) // 4)
-    x = torch.ones(n, dtype=torch.float32, device=device)
-    ws = torch.zeros(chunk_bounds(n, dist.get_world_size())[0][1], dtype=x.dtype, device=device)
-    fn = _all_reduce_impl(impl, ws)
-    samples = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn(x)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            samples.append(dt)
-    samples.sort()
-    mine = torch.tensor([samples[len(samples) // 2]], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the collective ends when its slowest rank does
-    return float(mine)
+    sizes = list(sizes)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 4 for n in sizes):
+        raise ValueError(f"sizes must be a non-empty list of ints >= 4 (bytes; the sweep sends "
+                         f"float32 elements), got {sizes!r}")
+    if isinstance(impls, str) or not impls or any(i not in IMPLS for i in impls) \
+            or len(set(impls)) != len(impls):
+        raise ValueError(f"impls must be a non-empty sequence of distinct names from {IMPLS}, "
+                         f"got {impls!r}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an int >= 1 (timed calls per size), got {iters!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    return sizes
 
 
-def sweep(sizes: Iterable[int], impls: Sequence[str] = ("ring", "torch"), iters: int = 5,
+def sweep(sizes: Iterable[int], impls: Sequence[str] = IMPLS, iters: int = 5,
           warmup: int = 1) -> list[dict]:
     """algbw/busbw over message sizes for each implementation; run on every rank.
 
@@ -320,6 +352,7 @@ def sweep(sizes: Iterable[int], impls: Sequence[str] = ("ring", "torch"), iters:
     time; the row reports the median sample.
     Returns rows {"impl", "nbytes", "time_s", "algbw", "busbw"} (bytes/s).
     """
+    sizes = check_sweep_args(sizes, impls, iters, warmup)
     p = dist.get_world_size()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     rows = []

@@ -7,50 +7,96 @@ import torch
 import torch.distributed as dist
 
 from helpers import launch, rank_info
-from helpers.collectives import (bus_bandwidth, chunk_bounds, fit_alpha_beta, ring_all_gather,
-                                 ring_all_reduce, ring_all_reduce_time, ring_reduce_scatter,
-                                 sweep, tree_all_reduce_time)
+from helpers.collectives import (IMPLS, bus_bandwidth, check_sweep_args, chunk_bounds,
+                                 fit_alpha_beta, ring_all_gather, ring_all_reduce,
+                                 ring_all_reduce_time, ring_reduce_scatter, sweep,
+                                 tree_all_reduce_time)
 
 SIZES = [0, 1, 2, 3, 5, 7, 64, 1001]  # several do not divide by 2, 3 or 4; some < world size
-DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.bfloat16]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
+# gloo's all_reduce/all_gather reject int16 ("Invalid scalar type"); the ring sums it anyway.
+# Its reference is gloo's int64 sum cast back, which wraps around like int16 arithmetic.
+NOT_IN_GLOO = {torch.int16}
+# Dtypes torch cannot add on CPU: the ring refuses them with a TypeError before any message.
+REFUSED = [torch.bool, torch.uint16, torch.float8_e4m3fn]
 
 
-def _compare(group, member_rank, p, seed):
+def _inputs(n, dt, g):
+    if dt.is_floating_point or dt.is_complex:
+        return torch.randn(n, generator=g, dtype=torch.complex64 if dt.is_complex else None).to(dt)
+    info = torch.iinfo(dt)  # full range for the small types: sums overflow and must wrap alike
+    lo, hi = max(info.min, -1000), min(info.max, 1000)
+    if dt in (torch.int8, torch.uint8, torch.int16):
+        lo, hi = info.min, info.max
+    return torch.randint(lo, hi + 1, (n,), generator=g).to(dt)
+
+
+def _gloo_sum(x, group):
+    ref = x.to(torch.int64) if x.dtype in NOT_IN_GLOO else x.clone()
+    dist.all_reduce(ref, group=group)
+    return ref.to(x.dtype)
+
+
+def _close(ours, ref, abs_sum, p):
+    """Exact for integers; floats within the summation error bound.
+
+    Each of two orders of summing p numbers is within (p-1) u sum|x_i| of the
+    true sum (u = eps/2, Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2002, sec. 4.2), so they differ by at most (p-1) eps sum|x_i|;
+    p instead of p-1 leaves room for second-order terms. At p = 2 both orders
+    are the same single rounding, so the bound is loose there but not wrong.
+    """
+    if not (ours.dtype.is_floating_point or ours.dtype.is_complex):
+        return torch.equal(ours, ref)
+    eps = torch.finfo(ours.dtype).eps
+    err = (ours.to(torch.complex128) - ref.to(torch.complex128)).abs()
+    return bool((err <= p * eps * abs_sum + 1e-300).all())
+
+
+def _compare(group, member_rank, p, seed, sizes=SIZES, dtypes=DTYPES):
     """Every size x dtype on ``group``: ring phases vs gloo. Returns the mismatches."""
     bad = []
     g = torch.Generator().manual_seed(seed)  # different data on every rank
-    for n in SIZES:
-        for dt in DTYPES:
-            if dt.is_floating_point:
-                x = torch.randn(n, generator=g).to(dt)
-            else:
-                x = torch.randint(-1000, 1000, (n,), generator=g).to(dt)
-            ours, ref = x.clone(), x.clone()
+    for n in sizes:
+        for dt in dtypes:
+            x = _inputs(n, dt, g)
+            ref = _gloo_sum(x, group)
+            abs_sum = x.to(torch.complex128).abs()
+            dist.all_reduce(abs_sum, group=group)  # sum over ranks of |x_r|, for the bound
+            ours = x.clone()
             assert ring_all_reduce(ours, group=group) is ours
-            dist.all_reduce(ref, group=group)
-            if dt.is_floating_point:
-                # Sum order differs (ring adds chunk by chunk, gloo its own way):
-                # a few ulps of the sum of p numbers of size ~1.
-                tol = {torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dt]
-                ok = torch.allclose(ours.double(), ref.double(), rtol=tol, atol=tol)
-            else:
-                ok = torch.equal(ours, ref)  # integer sums are exact
-            if not ok:
+            if not _close(ours, ref, abs_sum, p):
                 bad.append(("all_reduce", p, n, str(dt)))
             # reduce-scatter leaves the sum in chunk `rank` and returns it
             chunk = ring_reduce_scatter(x.clone(), group=group)
             a, b = chunk_bounds(n, p)[member_rank]
-            if not torch.allclose(chunk.double(), ref[a:b].double(), rtol=3e-2, atol=3e-2):
+            if chunk.numel() != b - a or not _close(chunk, ref[a:b], abs_sum[a:b], p):
                 bad.append(("reduce_scatter", p, n, str(dt)))
             # all-gather: each rank contributes only its own chunk
             ag = torch.zeros(n, dtype=dt)
             ag[a:b] = x[a:b]
             ring_all_gather(ag, group=group)
-            parts = [torch.empty_like(x) for _ in range(p)]
-            dist.all_gather(parts, x, group=group)  # full x of every member
+            wide = x.to(torch.int64) if dt in NOT_IN_GLOO else x
+            parts = [torch.empty_like(wide) for _ in range(p)]
+            dist.all_gather(parts, wide, group=group)  # full x of every member
             want = torch.cat([parts[q][c:d] for q, (c, d) in enumerate(chunk_bounds(n, p))])
-            if not torch.equal(ag, want):
+            if not torch.equal(ag, want.to(dt)):
                 bad.append(("all_gather", p, n, str(dt)))
+    return bad
+
+
+def _refusals(group=None):
+    """Each refused dtype raises TypeError before any message (so on every rank alike)."""
+    bad = []
+    for dt in REFUSED:
+        for fn in (ring_all_reduce, ring_reduce_scatter):
+            try:
+                fn(torch.zeros(8, dtype=dt), group=group)
+                bad.append((fn.__name__, str(dt), "accepted"))
+            except TypeError as e:
+                if str(dt).split(".")[-1] not in str(e) and "bool" not in str(e):
+                    bad.append((fn.__name__, str(dt), "message does not name the dtype"))
     return bad
 
 
@@ -98,6 +144,7 @@ def _ring_vs_gloo():
         bad.append("non-contiguous accepted")
     except ValueError:
         pass
+    bad += _refusals()
     # the sweep: every rank reports the slowest rank's time, busbw = algbw * 2(p-1)/p
     rows = sweep([4096, 65536], impls=("ring", "torch"), iters=2, warmup=1)
     return bad, rows
@@ -116,11 +163,70 @@ def test_ring_matches_gloo_on_2_3_4_ranks():
         assert row["busbw"] == pytest.approx(row["algbw"] * 1.5)  # 2(p-1)/p at p = 4
 
 
+def _one_rank():
+    """A real process group of one rank: every phase leaves the tensor as it was."""
+    bad = []
+    for dt in DTYPES:
+        x = _inputs(7, dt, torch.Generator().manual_seed(3))
+        for fn in (ring_all_reduce, ring_reduce_scatter, ring_all_gather):
+            y = x.clone()
+            out = fn(y)
+            if not (torch.equal(y, x) and torch.equal(out.view(-1), x)):
+                bad.append((fn.__name__, str(dt)))
+    m = torch.arange(6.0).view(2, 3)
+    if ring_all_reduce(m) is not m or not torch.equal(m, torch.arange(6.0).view(2, 3)):
+        bad.append("2-D")
+    rows = sweep([4096], iters=1, warmup=0)
+    return bad + _refusals(), dist.get_world_size(), rows
+
+
+@pytest.mark.slow
+def test_world_size_one_with_a_process_group():
+    bad, p, rows = launch(_one_rank, 1)[0]
+    assert p == 1 and bad == []
+    assert [r["busbw"] for r in rows] == [0.0, 0.0]  # 2(p-1)/p = 0: nothing crosses a link
+
+
 def test_world_size_one_is_a_no_op():
     assert not dist.is_initialized()  # no process group: one rank
     x = torch.arange(5.0)
     assert ring_all_reduce(x.clone()).tolist() == x.tolist()
     assert ring_all_gather(x.clone()).tolist() == x.tolist()
+    assert ring_reduce_scatter(x.clone()).tolist() == x.tolist()
+    assert _refusals() == []
+
+
+def _five_to_eight():
+    """One 8-rank launch covers p = 8 (world), 7, 6 and 5 (subgroups, two not contiguous)."""
+    r = rank_info().rank
+    sizes, dtypes = [0, 3, 7, 13, 1001], [torch.float32, torch.float16, torch.int8]
+    bad = _compare(None, r, 8, 500 + r, sizes, dtypes)
+    for members in ([0, 1, 2, 3, 4], [7, 1, 2, 4, 5, 6], [0, 1, 3, 4, 5, 6, 7]):
+        sub = dist.new_group(sorted(members))  # every rank calls new_group; members use it
+        if r in members:
+            me = sorted(members).index(r)
+            bad += _compare(sub, me, len(members), 600 + r, sizes, dtypes)
+    return bad
+
+
+@pytest.mark.slow
+def test_ring_matches_gloo_on_5_to_8_ranks():
+    assert launch(_five_to_eight, 8, timeout=120) == [[]] * 8
+
+
+def test_sweep_arguments_checked_before_any_collective():
+    assert check_sweep_args(iter([1024, 4096]), ("ring",), 1, 0) == [1024, 4096]
+    for sizes, impls, iters, warmup, match in [
+            ([], IMPLS, 5, 1, "sizes"), ([0], IMPLS, 5, 1, "sizes"), ([1.5e6], IMPLS, 5, 1, "sizes"),
+            ([1024], (), 5, 1, "impls"), ([1024], "ring", 5, 1, "impls"),
+            ([1024], ("ring", "mpi"), 5, 1, "impls"), ([1024], ("ring", "ring"), 5, 1, "impls"),
+            ([1024], IMPLS, 0, 1, "iters"), ([1024], IMPLS, 2.0, 1, "iters"),
+            ([1024], IMPLS, 5, -1, "warmup")]:
+        with pytest.raises(ValueError, match=match):
+            check_sweep_args(sizes, impls, iters, warmup)
+    # sweep itself refuses before touching the (absent) process group
+    with pytest.raises(ValueError, match="iters"):
+        sweep([1024], iters=0)
 
 
 def test_chunk_bounds_cover_everything():
