@@ -69,7 +69,7 @@ def test_world_size_one_is_the_plain_module():
 
 # ------------------------------------------------------------- multi-rank
 class _Awkward(nn.Module):
-    """The toy GPT (tied embedding/head) plus a frozen and an unused layer."""
+    """The toy GPT (tied embedding/head) plus a frozen and an unused layer, and a buffer."""
 
     def __init__(self, seed):
         super().__init__()
@@ -77,10 +77,15 @@ class _Awkward(nn.Module):
         self.frozen = nn.Linear(32, 32)
         self.frozen.requires_grad_(False)
         self.unused = nn.Linear(4, 4)  # registered last: lands in the first bucket
+        # a buffer that differs per seed and scales the loss: without its broadcast at
+        # construction, every rank's gradients would differ from DDP's
+        self.register_buffer("temperature",
+                             0.5 + torch.rand(1, generator=torch.Generator().manual_seed(seed)))
 
     def forward(self, x, y):
         logits, _ = self.gpt(x)
         logits = logits + 0.01 * self.frozen(self.gpt.wte.weight).sum()  # frozen but in the graph
+        logits = logits / self.temperature
         return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
@@ -111,7 +116,8 @@ def _vs_torch_ddp():
         same_start = all(torch.equal(a, b) for a, b in
                          zip(model.state_dict().values(), ref_model.state_dict().values()))
         w0 = model.gpt.wte.weight.detach().clone()  # ... until the broadcast: rank 0's
-        diffs, nones = [], []
+        temperature = model.temperature.clone()
+        diffs, nones, unused_grad = [], [], []
         for step in range(2):
             x, y = _batch(step, r)
             ours(x, y).backward()
@@ -121,10 +127,13 @@ def _vs_torch_ddp():
                     nones.append((n, a.grad is None, b.grad is None))
                 else:
                     diffs.append(float((a.grad - b.grad).abs().max()))
+                if n.startswith("unused.") and a.grad is not None:
+                    unused_grad.append(float(a.grad.abs().max()))
             model.zero_grad(set_to_none=True)
             ref_model.zero_grad(set_to_none=True)
         report[name] = dict(same_start=same_start, w0=w0, max_diff=max(diffs), nones=nones,
-                            n_buckets=len(ours.buckets), timeline=ours.timeline)
+                            n_buckets=len(ours.buckets), timeline=ours.timeline,
+                            temperature=temperature, unused_grad=unused_grad)
     return report
 
 
@@ -147,10 +156,16 @@ def test_same_gradients_as_torch_ddp_with_tied_frozen_unused_and_per_rank_seeds(
         assert all(a and b for _, a, b in fu["nones"])
         # without find_unused, an unused parameter gets a zero (averaged) gradient
         assert {n for n, a, _ in nofind["nones"] if not a} == {"unused.weight", "unused.bias"}
+        assert nofind["unused_grad"] == [0.0] * 4  # 2 parameters x 2 steps, exactly zero
+        assert fu["unused_grad"] == []
     # the broadcast made every rank start from rank 0's weights, though seeds differed
     assert torch.equal(reports[0]["find_unused"]["w0"], reports[1]["find_unused"]["w0"])
     assert not torch.equal(build_model("toy", seed=100).wte.weight,
                            build_model("toy", seed=101).wte.weight)
+    # the buffer too (it was broadcast at construction, as DDP does)
+    assert torch.equal(reports[0]["find_unused"]["temperature"],
+                       reports[1]["find_unused"]["temperature"])
+    assert not torch.equal(_Awkward(100).temperature, _Awkward(101).temperature)
     # timeline: each bucket ready <= launched <= finished, launched in bucket order
     tl = reports[0]["find_unused"]["timeline"]
     n = reports[0]["find_unused"]["n_buckets"]
@@ -162,6 +177,53 @@ def test_same_gradients_as_torch_ddp_with_tied_frozen_unused_and_per_rank_seeds(
     assert launched == list(range(n))
     # overlap: the first bucket went out before the last one was ready
     assert t[0, "launched"] < t[n - 1, "ready"]
+
+
+class _SkippedOnOddRanks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if rank_info().rank % 2 == 0:  # b is used on even ranks only
+            h = h + torch.tanh(self.b(h))
+        return self.c(h).pow(2).mean()
+
+
+def _unused_on_some_ranks():
+    """b gets a gradient on rank 0 only; DDP (find_unused_parameters=True) averages it
+    with rank 1's "no gradient" counted as zero, and gives it to both ranks."""
+    r = rank_info().rank
+    model = _SkippedOnOddRanks()  # seed_per_rank: different weights until the broadcast
+    theirs_model = copy.deepcopy(model)
+    ours = {k: BucketedDDP(copy.deepcopy(model), bucket_cap_mb=0, first_bucket_mb=0,
+                           find_unused_parameters=k) for k in (True, False)}
+    theirs = torch.nn.parallel.DistributedDataParallel(theirs_model, bucket_cap_mb=0,
+                                                       find_unused_parameters=True)
+    g = torch.Generator().manual_seed(9)
+    out = {"diff": {True: [], False: []}, "b_grad_nonzero": []}
+    for step in range(2):
+        x = torch.randn(8, 6, generator=g)[r * 4:(r + 1) * 4]
+        theirs(x).backward()
+        for k, ddp in ours.items():
+            ddp(x).backward()
+            for a, b in zip(ddp.module.parameters(), theirs_model.parameters()):
+                assert a.grad is not None and b.grad is not None
+                out["diff"][k].append(float((a.grad - b.grad).abs().max()))
+            ddp.module.zero_grad(set_to_none=True)
+        out["b_grad_nonzero"].append(bool(theirs_model.b.weight.grad.abs().max() > 0))
+        theirs_model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.slow
+def test_parameter_unused_on_some_ranks_matches_torch_ddp():
+    for out in launch(_unused_on_some_ranks, 2, seed_per_rank=True):
+        assert out["b_grad_nonzero"] == [True, True]  # rank 0's half reached rank 1 too
+        # 2 ranks: (g0/2 + g1/2) rounds the same whatever the bucketing: bitwise equal
+        assert max(out["diff"][True]) == 0.0
+        assert max(out["diff"][False]) == 0.0  # the bucket just waits for the end of backward
 
 
 STEPS = 3
