@@ -15,3 +15,10 @@ def validate(args) -> None:
         raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {args.steps}")
     if getattr(args, "world", 2) < 2:
         raise ValueError(f"--world must be >= 2 to have anything to communicate, got {args.world}")
+
+
+def at_least(args, name: str, low: float, why: str) -> None:
+    """--name must be >= low; ``why`` says what the bound protects (part of the message)."""
+    value = getattr(args, name.replace("-", "_"))
+    if value < low:
+        raise ValueError(f"--{name} must be >= {low} ({why}), got {value}")

@@ -16,21 +16,32 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _args import at_least  # noqa: E402  (benchmarks/ is on sys.path)
 from helpers import launch  # noqa: E402
-from helpers.collectives import fit_alpha_beta, sweep  # noqa: E402
+from helpers.collectives import check_sweep_args, fit_alpha_beta, sweep  # noqa: E402
+
+WARMUP = 2  # untimed calls per size and implementation
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--max-mb", type=int, default=64)
-    ap.add_argument("--backend", default="auto")
-    args = ap.parse_args()
-    sizes = [2 ** k for k in range(10, 21 + (args.max_mb.bit_length() - 1) + 1, 2)
-             if 2 ** k <= args.max_mb * 2 ** 20]
+    ap.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args = ap.parse_args(argv)
+    # Every check before any rank starts (starting ranks costs seconds).
+    try:
+        at_least(args, "ranks", 2, "one rank sends nothing, and the alpha/beta fit needs p >= 2")
+        at_least(args, "iters", 1, "timed calls per size; the table shows their median")
+        at_least(args, "max-mb", 1, "the sweep runs 1 KB, 4 KB, ... up to --max-mb")
+        sizes = [2 ** k for k in range(10, 21 + (args.max_mb.bit_length() - 1) + 1, 2)
+                 if 2 ** k <= args.max_mb * 2 ** 20]
+        check_sweep_args(sizes, ("ring", "torch"), args.iters, WARMUP)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
-    rows = launch(sweep, args.ranks, sizes, ("ring", "torch"), args.iters, 2,
+    rows = launch(sweep, args.ranks, sizes, ("ring", "torch"), args.iters, WARMUP,
                   backend=args.backend, timeout=600)[0]
     p = args.ranks
     print(f"all-reduce on {p} ranks, {args.iters} iterations per size (median, slowest rank)")

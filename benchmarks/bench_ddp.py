@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from _args import at_least, validate  # noqa: E402  (benchmarks/ is on sys.path)
 from helpers import launch, rank_info  # noqa: E402
 
 
@@ -33,7 +34,8 @@ def _bench(size: str, steps: int, micro: int, seq: int, cap_mb: float) -> dict:
 
     r = rank_info().rank
     device = rank_info().device
-    data = make_dataset(seq_len=seq, num_sequences=4 * micro)
+    p = rank_info().world_size
+    data = make_dataset(seq_len=seq, num_sequences=p * micro)  # one micro-batch per rank
     x, y = (t.to(device) for t in data.batch(range(micro * r, micro * (r + 1))))
 
     def make(kind):
@@ -77,7 +79,7 @@ def _bench(size: str, steps: int, micro: int, seq: int, cap_mb: float) -> dict:
             "n_params": n_params, "n_buckets": len(models["BucketedDDP"].buckets)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small")
     ap.add_argument("--ranks", type=int, default=2)
@@ -85,8 +87,16 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--cap-mb", type=float, default=25)
-    ap.add_argument("--backend", default="auto")
-    args = ap.parse_args()
+    ap.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args = ap.parse_args(argv)
+    # Every check before any rank starts (starting ranks costs seconds).
+    try:
+        validate(args)  # --size, --seq, --steps
+        at_least(args, "ranks", 2, "data parallelism on one rank has nothing to average")
+        at_least(args, "micro", 1, "sequences per rank per step")
+        at_least(args, "cap-mb", 0, "bucket cap in megabytes; 0 = one bucket per parameter")
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     res = launch(_bench, args.ranks, args.size, args.steps, args.micro, args.seq, args.cap_mb,
                  backend=args.backend, timeout=900)[0]
