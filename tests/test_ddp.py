@@ -140,7 +140,7 @@ def _vs_torch_ddp():
 @pytest.mark.slow
 def test_same_gradients_as_torch_ddp_with_tied_frozen_unused_and_per_rank_seeds():
     reports = launch(_vs_torch_ddp, 2, seed_per_rank=True)
-    for rank, report in enumerate(reports):
+    for report in reports:
         fu, ring, nofind = report["find_unused"], report["ring_hook"], report["no_find"]
         for rep in (fu, ring, nofind):
             assert rep["same_start"]
