@@ -22,7 +22,9 @@ into buckets (stage 0-2: by size, in reverse registration order, about the
 order backward produces gradients; stage 3: one bucket per module that owns
 parameters). Each bucket is padded to a multiple of N_d so it splits into N_d
 equal chunks, and rank r owns chunk r of every bucket. Padding is zeros and
-stays zero under AdamW; it costs at most N_d - 1 elements per bucket.
+stays zero under AdamW; it costs at most N_d - 1 elements per bucket. Every
+buffer lives on the parameters' device (CPU with gloo, the rank's GPU with
+nccl), so the same code runs on both.
 
 * stage 0: gradients all-reduced (averaged), every rank runs AdamW on all of
   it. This is DP, kept for comparison.
@@ -46,6 +48,28 @@ stays zero under AdamW; it costs at most N_d - 1 elements per bucket.
 "Freeing" keeps the parameter tensors (autograd saved them, some as views)
 and shrinks their shared storage to 0 bytes; gathering grows it back and
 fills it. That is how PyTorch's first FSDP did it.
+
+Gradients: accumulation and who clears them
+-------------------------------------------
+Several ``backward()`` calls before one ``step()`` accumulate, as with any
+PyTorch optimizer (chapter 05's micro-batches; scale each loss by 1/accum).
+In stages 0-1 autograd adds into the flat gradient buffer. In stages 2-3
+every backward reduce-scatters its own buckets and *adds* the result into
+the rank's gradient shard (the full gradients are gone by then); the end of
+each backward waits for those reduce-scatters (a callback queued on the
+autograd engine, as DDP does). This is what DeepSpeed's stages 2-3 do: one
+reduce-scatter per micro-batch, no ``no_sync``.
+
+``step()`` consumes the gradients it applies: afterwards every stage's
+gradient buffer or shard is zero. A stage-2/3 rank cannot notice
+``model.zero_grad()`` (its ``.grad`` fields are already None; the shard is
+not a ``.grad``), so clearing in ``step()`` is the only rule that makes
+``opt.zero_grad()``, ``model.zero_grad()`` and no zero_grad at all train the
+same in every stage. DeepSpeed's engine does the same (its ``step()`` zeroes
+the gradients). In stages 0-1 ``model.zero_grad()`` sets each ``p.grad``
+to None, which cuts it off from the flat buffer; the next backward then
+writes a fresh tensor, and a post-accumulate hook copies it back into the
+buffer and re-links ``p.grad`` (``step()`` checks the links once more).
 
 Precision: ``precision="fp32"`` (default) keeps weights, gradients and
 moments in fp32 with no separate master copy (8 optimizer bytes/param), so a
@@ -90,12 +114,12 @@ A coalesced collective over several units lays their chunks out rank by
 rank: ``[rank 0: chunk of A, chunk of B | rank 1: chunk of A, chunk of B]``,
 so rank r's piece is again "its chunk of every unit".
 
-How production differs: DeepSpeed's ZeRO adds gradient accumulation across
-micro-batches, CPU/NVMe offload, contiguous memory defragmentation, keeping
+How production differs: DeepSpeed's ZeRO adds CPU/NVMe offload, contiguous memory defragmentation, keeping
 small parameters unpartitioned (``stage3_param_persistence_threshold``),
 dynamic loss scaling, and per-parameter-group hyperparameters. Here
 weight decay applies to every parameter, as ``torch.optim.AdamW(model.parameters())``
-does, and frozen parameters are left alone (replicated, never sharded). A
+does, and frozen parameters and buffers are replicated, never sharded (rank
+0's copies are broadcast at construction, as DDP does). A
 trainable parameter that got no gradient in a step is updated as if its
 gradient were zero (its weight decay still applies), as DDP with
 ``find_unused_parameters`` would; ``torch.optim`` skips such a parameter.
@@ -240,6 +264,16 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step: int, lr: float, beta1: 
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
+def _check_betas(betas) -> None:
+    """AdamW's (beta1, beta2): two numbers in [0, 1), or a clear error."""
+    ok = (isinstance(betas, (tuple, list)) and len(betas) == 2
+          and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)
+          and all(0 <= b < 1 for b in betas))
+    if not ok:
+        raise ValueError(f"betas must be two floats in [0, 1) (beta1 for the mean, beta2 for "
+                         f"the mean square of the gradient), got {betas!r}")
+
+
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -277,10 +311,10 @@ class ZeroOptimizer:
             raise ValueError(f"stage must be 0 (DP), 1, 2 or 3, got {stage!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps <= 0 \
-                or weight_decay < 0:
-            raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay}: need lr > 0, 0 <= beta < 1, eps > 0, "
+        _check_betas(betas)
+        if not lr > 0 or not eps > 0 or not weight_decay >= 0:
+            raise ValueError(f"invalid AdamW hyperparameters lr={lr}, eps={eps}, "
+                             f"weight_decay={weight_decay}: need lr > 0, eps > 0, "
                              f"weight_decay >= 0")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -307,8 +341,9 @@ class ZeroOptimizer:
         self.step_count = 0
         self._comm: dict[str, float] = {}
         self._comm_last: dict[str, float] = {}
-        self._handles: list = []  # (work, bucket indices, output, input) of in-flight reduce-scatters
+        self._handles: list = []  # (work, bucket indices, output, name) of in-flight reduce-scatters
         self._pending: list = []  # stage 3: (bucket index, averaged full gradient) not yet sent
+        self._callback_queued = False  # stages 2-3: end-of-backward callback queued
         # stage 3 prefetch: the recorded order of weight requests, and where we are in it
         self._trace: list[int] = []
         self._recording, self._pos = True, 0
@@ -318,6 +353,12 @@ class ZeroOptimizer:
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"all trainable parameters must be on one device (the flat buffers "
+                             f"live there), found {sorted(map(str, devices))}: move the model "
+                             f"with model.to(device) first")
+        self.device = self.params[0].device
         numels = [p.numel() for p in self.params]
         if stage < 3:
             elem_bytes = torch.finfo(self.dtype).bits // 8
@@ -330,6 +371,7 @@ class ZeroOptimizer:
         self.partition = FlatPartition(numels, self.shards, groups)
 
         with torch.no_grad():
+            self._broadcast_replicated()
             if stage < 3:
                 self._setup_flat()
             else:
@@ -364,10 +406,27 @@ class ZeroOptimizer:
             dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
                            group=self.group)
 
+    def _broadcast_replicated(self) -> None:
+        """Frozen parameters and buffers are not sharded, so each rank keeps its own
+        copy: start every rank from rank 0's, as DDP does (a frozen embedding or a
+        BatchNorm statistic that differed per rank would make the ranks compute
+        different functions)."""
+        trainable = {id(p) for p in self.params}
+        for t in [p for p in self.model.parameters() if id(p) not in trainable] \
+                + list(self.model.buffers()):
+            self._broadcast(t.data)
+
+    def _zeros(self, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A flat buffer of n elements on the parameters' device."""
+        return torch.zeros(n, dtype=dtype or self.dtype, device=self.device)
+
+    def _empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=self.dtype, device=self.device)
+
     def _setup_flat(self) -> None:
         """Stages 0-2: weights live in one flat buffer, params are views into it."""
         part, r = self.partition, self.shard_rank
-        self.flat_param = torch.zeros(part.total, dtype=self.dtype)
+        self.flat_param = self._zeros(part.total)
         for b in part.buckets:
             for i, off in zip(b.params, b.offsets):
                 p = self.params[i]
@@ -378,13 +437,17 @@ class ZeroOptimizer:
         # Stages 0-1 keep full gradients: p.grad is a view into one flat buffer,
         # so autograd accumulates straight into it and step() reduces it in place.
         if self.stage < 2:
-            self.flat_grad = torch.zeros(part.total, dtype=self.dtype)
+            self.flat_grad = self._zeros(part.total)
+            self._grad_views = [None] * len(self.params)
             for b in part.buckets:
                 for i, off in zip(b.params, b.offsets):
                     p = self.params[i]
-                    p.grad = self.flat_grad[b.start + off:b.start + off + p.numel()].view_as(p)
+                    view = self.flat_grad[b.start + off:b.start + off + p.numel()].view_as(p)
+                    self._grad_views[i] = p.grad = view
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(self._relink_grad(i))
         else:
-            self.grad_shard = torch.zeros(part.shard_numel, dtype=self.dtype)
+            self.grad_shard = self._zeros(part.shard_numel)
             self._install_grad_hooks()
         # fp32 master weights of this rank's chunks (a view of the weights in fp32 mode)
         chunks = [self.flat_param[slice(*part.shard_range(b, r))] for b in part.buckets]
@@ -393,8 +456,8 @@ class ZeroOptimizer:
 
     def _init_optimizer_state(self, chunks: list[torch.Tensor]) -> None:
         n = self.partition.shard_numel
-        self.exp_avg = torch.zeros(n, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg = self._zeros(n, torch.float32)
+        self.exp_avg_sq = self._zeros(n, torch.float32)
         if self.dtype == torch.float32:
             self.master = None
             self._master_chunks = chunks  # update the weights in place
@@ -405,11 +468,11 @@ class ZeroOptimizer:
 
     def _setup_stage3(self) -> None:
         part, r = self.partition, self.rank
-        self.param_shard = torch.zeros(part.shard_numel, dtype=self.dtype)
-        self.grad_shard = torch.zeros(part.shard_numel, dtype=self.dtype)
+        self.param_shard = self._zeros(part.shard_numel)
+        self.grad_shard = self._zeros(part.shard_numel)
         self.unit_full: list[torch.Tensor] = []
         for b in part.buckets:
-            full = torch.zeros(b.padded, dtype=self.dtype)
+            full = self._zeros(b.padded)
             for i, off in zip(b.params, b.offsets):
                 p = self.params[i]
                 seg = full[off:off + p.numel()]
@@ -490,7 +553,7 @@ class ZeroOptimizer:
             inp, out = self._param_chunks[units[0]], self.unit_full[units[0]]
         else:  # rank-major layout: [rank 0: A, B, ... | rank 1: A, B, ... | ...]
             inp = torch.cat([self._param_chunks[j] for j in units])
-            out = torch.empty(self.world * inp.numel(), dtype=self.dtype)
+            out = self._empty(self.world * inp.numel())
         work = self._issue(all_gather, out, inp, name)
         self._count("all_gather", sum(buckets[j].padded for j in units) * out.element_size())
         pending = (work, units, out, name)
@@ -581,6 +644,11 @@ class ZeroOptimizer:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._callback_queued:
+            # Runs once this backward has finished: reduce what is left, wait, add
+            # into the gradient shard, and get the counters ready for the next one.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
         bi = self._bucket_of[id(p)]
         self._ready[bi] += 1
         if self._ready[bi] == len(self.partition.buckets[bi].params):
@@ -590,7 +658,7 @@ class ZeroOptimizer:
         """Bucket bi's gradients are complete: average them into one flat buffer,
         drop the full ones, and reduce-scatter (now, or once the reduce bucket fills)."""
         b = self.partition.buckets[bi]
-        buf = torch.zeros(b.padded, dtype=self.dtype)  # padding stays 0
+        buf = self._zeros(b.padded)  # padding stays 0
         for i, off in zip(b.params, b.offsets):
             p = self.params[i]
             if p.grad is not None:
@@ -614,30 +682,56 @@ class ZeroOptimizer:
         else:  # rank-major layout, as in _start_gather: rank r receives its chunk of each
             inp = torch.cat([g.view(self.world, -1) for _, g in self._pending], dim=1).reshape(-1)
         self._pending = []
-        out = torch.empty(inp.numel() // self.world, dtype=self.dtype)
+        out = self._empty(inp.numel() // self.world)
         name = f"reduce-scatter {units[0]}" + (f"..{units[-1]}" if len(units) > 1 else "")
         work = self._issue(reduce_scatter, out, inp, name)
         self._count("reduce_scatter", inp.numel() * inp.element_size())
         self._handles.append((work, units, out, name))
 
-    def _finish_reduction(self) -> None:
+    def _end_backward(self) -> None:
+        """End of one backward: every bucket reduce-scattered once, the results
+        *added* into the gradient shard (so several backwards accumulate)."""
+        self._callback_queued = False
         # Buckets whose gradients never arrived (an unused module) are reduced
         # now with zeros, in bucket order, identically on every rank.
         for bi, done in enumerate(self._launched):
             if not done:
                 self._launch_bucket(bi)
         self._reduce_pending()
-        for work, units, out, name in self._handles:
-            if work is not None:
-                self._wait(work, name)
-            col = 0
-            for bi in units:
-                b = self.partition.buckets[bi]
-                self.grad_shard[b.shard_start:b.shard_start + b.chunk].add_(out[col:col + b.chunk])
-                col += b.chunk
+        with torch.no_grad():
+            for work, units, out, name in self._handles:
+                if work is not None:
+                    self._wait(work, name)
+                col = 0
+                for bi in units:
+                    b = self.partition.buckets[bi]
+                    self.grad_shard[b.shard_start:b.shard_start + b.chunk].add_(
+                        out[col:col + b.chunk])
+                    col += b.chunk
         self._handles = []
+        # A parameter's hook fires once per backward: reset the counts, or the
+        # next micro-batch's buckets would never fill (and never be sent).
         self._ready = [0] * len(self.partition.buckets)
         self._launched = [False] * len(self.partition.buckets)
+
+    # ------------------------------------------------------- stage 0/1 gradients
+    def _relink_grad(self, i: int):
+        """Stages 0-1: after p's gradient is accumulated, make sure it lives in the
+        flat buffer (``model.zero_grad()`` or an assignment may have replaced it)."""
+        def hook(p):
+            self._link_grad(i)
+        return hook
+
+    @torch.no_grad()
+    def _link_grad(self, i: int) -> None:
+        p, view = self.params[i], self._grad_views[i]
+        g = p.grad
+        if g is None:
+            view.zero_()  # no gradient since the last zero_grad(set_to_none=True)
+        elif g.data_ptr() != view.data_ptr():
+            view.copy_(g)  # a fresh tensor holds this backward's gradient: adopt it
+        if p.grad is not view:
+            p.grad = view
 
     # ------------------------------------------------------------------ step
     def _count(self, op: str, nbytes: int) -> None:
@@ -645,8 +739,13 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """AdamW on this rank's shard with the gradients accumulated since the last
+        step, then zero those gradients (see "Gradients" in the module docstring)."""
         part = self.partition
         self.step_count += 1
+        if self.stage < 2:
+            for i in range(len(self.params)):
+                self._link_grad(i)  # every p.grad a view of flat_grad again
         # 1. Averaged gradient of this rank's chunks, per bucket.
         if self.stage == 0:
             if self.world > 1:
@@ -658,15 +757,14 @@ class ZeroOptimizer:
             grad_chunks = []
             for b in part.buckets:
                 src = self.flat_grad[b.start:b.start + b.padded].div(self.world)
-                out = torch.empty(b.chunk, dtype=self.dtype)
+                out = self._empty(b.chunk)
                 if self.world > 1:
                     reduce_scatter(out, src, group=self.group)
                 else:
                     out.copy_(src)
                 self._count("reduce_scatter", src.numel() * src.element_size())
                 grad_chunks.append(out)
-        else:
-            self._finish_reduction()
+        else:  # stages 2-3: reduce-scattered and summed into the shard during backward
             grad_chunks = [self.grad_shard[b.shard_start:b.shard_start + b.chunk]
                            for b in part.buckets]
         if self.stage == 3:
@@ -691,12 +789,20 @@ class ZeroOptimizer:
                 if self.world > 1:
                     all_gather(full, chunk.clone(), group=self.group)
                 self._count("all_gather", full.numel() * full.element_size())
+        # 4. The gradients are used up (stage 0's flat_grad now holds the average).
+        self.zero_grad()
         self._comm_last, self._comm = self._comm, {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients (stages 0-1 keep their flat buffer and zero it)."""
+        """Drop the gradients accumulated since the last ``step()``.
+
+        Stages 0-1 keep ``p.grad`` as views of their flat buffer and zero it
+        (``set_to_none`` is ignored: the buffer is reused); stages 2-3 zero the
+        gradient shard (``p.grad`` is already None there)."""
         if self.stage < 2:
             self.flat_grad.zero_()
+            for p, view in zip(self.params, self._grad_views):
+                p.grad = view  # (re-)link: the next backward accumulates into the buffer
         else:
             self.grad_shard.zero_()
             for p in self.params:
@@ -736,20 +842,21 @@ class ZeroOptimizer:
         return ModelStateBytes(params=float(params), grads=float(grads),
                                optimizer=float(optimizer))
 
+    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter, full and in fp32 (an all-gather in stage 3).
-
-        Collective: call on every rank."""
+        """Every trainable parameter, full, in fp32, on the parameters' device: the
+        weights the optimizer holds (in bf16/fp16 mode the fp32 master weights,
+        not their 16-bit working copy). Collective: call on every rank (stages 1-3
+        all-gather the shards; not counted in ``comm_bytes()``)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        if self.stage == 3:
-            out = {}
-            for bi, b in enumerate(self.partition.buckets):
-                was = _is_allocated(self.unit_full[bi]) and bi not in self._inflight
-                self._ensure_gathered(bi)
-                for i in b.params:
-                    out[names[id(self.params[i])]] = self.params[i].detach().float().clone()
-                if not was:
-                    self.free_unit(bi)
-            self._comm = {}
-            return out
-        return {names[id(p)]: p.detach().float().clone() for p in self.params}
+        out = {}
+        for b, master in zip(self.partition.buckets, self._master_chunks):
+            full = torch.empty(b.padded, dtype=torch.float32, device=self.device)
+            if self.shards > 1:
+                all_gather(full, master.float().contiguous(), group=self.group)
+            else:
+                full.copy_(master)
+            for i, off in zip(b.params, b.offsets):
+                p = self.params[i]
+                out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
+        return out
