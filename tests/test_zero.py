@@ -45,7 +45,7 @@ def _zero_missing_grads(*models):
 
 
 # Stage 2 with a bucket cap of 2,000 fp32 elements: the toy GPT's gradients go
-# out in 13 reduce-scatters, each launched during backward as its bucket fills.
+# out in 14 reduce-scatters, each launched during backward as its bucket fills.
 SMALL_CAP_MB = 2000 * 4 / 2**20
 
 
