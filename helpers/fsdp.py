@@ -21,6 +21,15 @@ unit is gathered when the model's forward starts and kept until its
 gradients are reduced (its embedding is used first in forward and last in
 backward, as FSDP2 does for the root).
 
+FSDP never sees ``optimizer.step()``, so it cannot free the units there as
+ZeRO-3 does. A unit still gathered when a new forward starts from the root
+is a leftover from a forward that had no backward (an evaluation pass
+between ``backward()`` and ``step()``); its weights may be older than the
+shards the optimizer has just updated, so the root's pre-forward hook frees
+every leftover and the forward gathers afresh. A forward under
+``torch.no_grad()`` frees the root (and, with ``reshard_after_forward=False``,
+every unit) as soon as it ends: no backward will need them.
+
 **Prefetch** (sec. 3.3.2): while unit i computes, the all-gather of the unit
 that runs next (i+1 in forward, i-1 in backward) is already issued
 asynchronously, so its communication hides under unit i's compute. Without
@@ -44,8 +53,9 @@ parameter separately as a DTensor along dim 0 (no flat buffer, so per-
 parameter optimizers and state dicts are easy), uses CUDA streams and events
 so gathers really run beside compute, supports mixed-precision policies, CPU
 offload, and copies-in / copies-out with fused kernels. FSDP1 used flat
-parameters like this module. Here: fp32 only, one process group per role, no
-offload.
+parameters like this module. Here: the units keep the parameters' dtype and
+device (CPU with gloo, the rank's GPU with nccl), no mixed-precision policy,
+one process group per role, no offload.
 """
 
 from __future__ import annotations
@@ -119,12 +129,18 @@ class _Unit:
                                   [list(range(len(params)))])
         b = self.part.buckets[0]
         self.bucket = b
-        self.full = torch.zeros(b.padded)  # (padded,): every rank's chunk back to back
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise ValueError(f"unit {name!r}: its parameters must share one dtype and device "
+                             f"(they share one flat buffer), found {sorted(map(str, kinds))}")
+        dtype, device = params[0].dtype, params[0].device
+        # (padded,): every rank's chunk back to back
+        self.full = torch.zeros(b.padded, dtype=dtype, device=device)
         for p, off in zip(params, b.offsets):
             seg = self.full[off:off + p.numel()]
             seg.copy_(p.detach().reshape(-1))
             p.data = seg.view_as(p)  # p is now a window into `full`
-        self.shard = nn.Parameter(torch.zeros(b.chunk))  # (padded / S,)
+        self.shard = nn.Parameter(torch.zeros(b.chunk, dtype=dtype, device=device))  # (padded / S,)
         self.rank = shard_rank
         self.pending = None  # async all-gather in flight (a prefetch)
         self.ready = 0       # parameters whose gradient arrived in this backward
@@ -190,11 +206,12 @@ class FSDP(nn.Module):
             self.root = self._make_unit("root", model, rest) if rest else None
         self._shards = nn.ParameterList([u.shard for u in self._all_units()])
 
+        # The model's own hooks first: its pre-forward runs before block 0's.
+        model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
         for i, u in enumerate(self.units):
             u.module.register_forward_pre_hook(self._pre_forward(i))
             u.module.register_forward_hook(self._post_forward(i))
-        if self.root is not None:
-            model.register_forward_pre_hook(self._root_pre_forward)
         for u in self._all_units():
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._post_accumulate(u))
@@ -231,9 +248,10 @@ class FSDP(nn.Module):
         if _is_allocated(u.full):
             return
         _alloc(u.full)
-        self._gathered_now += u.full.numel() * 4
+        nbytes = u.full.numel() * u.full.element_size()
+        self._gathered_now += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
-        self._count("all_gather", u.full.numel() * 4, self.S)
+        self._count("all_gather", nbytes, self.S)
         if self.S == 1:
             u.full.copy_(u.shard.detach())
             return
@@ -250,8 +268,11 @@ class FSDP(nn.Module):
         self._gather(u, async_op=True)
 
     def _free(self, u: _Unit) -> None:
+        if u.pending is not None:  # never free storage a collective is writing into
+            self._wait(u.pending, f"all-gather {u.name}")
+            u.pending = None
         if _is_allocated(u.full):
-            self._gathered_now -= u.full.numel() * 4
+            self._gathered_now -= u.full.numel() * u.full.element_size()
             _free(u.full)
 
     def _wait(self, work, name) -> None:
@@ -262,9 +283,19 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------ hooks
     def _root_pre_forward(self, module, args):
-        self._gather(self.root)
+        # Whatever is still gathered is left over from a forward without backward
+        # (see the module docstring): possibly older than the shards. Start clean.
+        for u in self._all_units():
+            self._free(u)
+        if self.root is not None:
+            self._gather(self.root)
         if self.prefetch is not None:
             self.prefetch(self, -1, "forward")
+
+    def _root_post_forward(self, module, args, out):
+        if not torch.is_grad_enabled():  # no backward will follow: nothing stays gathered
+            for u in self._all_units():
+                self._free(u)
 
     def _pre_forward(self, i):
         def hook(module, args):
@@ -281,7 +312,7 @@ class FSDP(nn.Module):
             u = self.units[i]
             if self.timeline is not None:
                 self.timeline.add("compute", f"forward {u.name}", u.t_fwd, time.perf_counter())
-            if self.reshard_after_forward:
+            if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda grad: self._pre_backward(i))
@@ -316,14 +347,15 @@ class FSDP(nn.Module):
         if self.timeline is not None and hasattr(u, "t_bwd"):
             self.timeline.add("compute", f"backward {u.name}", u.t_bwd, time.perf_counter())
         b = u.bucket
-        buf = torch.zeros(b.padded)  # padding stays 0
+        # (padded,) on the unit's device and dtype; padding stays 0
+        buf = torch.zeros(b.padded, dtype=u.shard.dtype, device=u.shard.device)
         for p, off in zip(u.params, b.offsets):
             if p.grad is not None:
                 buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         buf.div_(self.S * self.R)  # mean over every data-parallel rank
-        out = torch.empty(b.chunk)
-        self._count("reduce_scatter", buf.numel() * 4, self.S)
+        out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)  # (padded / S,)
+        self._count("reduce_scatter", buf.numel() * buf.element_size(), self.S)
         if self.S > 1:
             t0 = time.perf_counter()
             work = reduce_scatter(out, buf, group=self.shard_group, async_op=True)
@@ -348,16 +380,13 @@ class FSDP(nn.Module):
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
                 self._record_comm(work, f"all-reduce {u.name}", t0)
                 self._wait(work, f"all-reduce {u.name}")
-                self._count("all_reduce", out.numel() * 4, self.R)
+                self._count("all_reduce", out.numel() * out.element_size(), self.R)
             if u.shard.grad is None:
                 u.shard.grad = out
             else:
                 u.shard.grad.add_(out)  # gradient accumulation over backwards
             u.ready, u.reduced, u.reduce_state = 0, False, None
-            if u.pending is not None:  # a prefetch nobody used
-                self._wait(u.pending, f"all-gather {u.name}")
-                u.pending = None
-            self._free(u)
+            self._free(u)  # (waits first for a prefetch nobody used)
         self._callback_queued = False
         self._comm_last, self._comm = self._comm, {}
 
@@ -374,17 +403,19 @@ class FSDP(nn.Module):
     def sharded_numel(self) -> int:
         return sum(u.shard.numel() for u in self._all_units())
 
+    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, full (all-gathers each unit). Collective."""
+        """Every parameter, full, from the current shards (an all-gather of each
+        unit into a fresh buffer; the units' own buffers are not touched, and
+        ``comm_bytes()`` does not count it). Collective."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {}
-        with torch.no_grad():
-            for u in self._all_units():
-                was = _is_allocated(u.full)
-                self._gather(u)
-                for p in u.params:
-                    out[names[id(p)]] = p.detach().clone()
-                if not was:
-                    self._free(u)
-        self._comm = {}
+        for u in self._all_units():
+            full = torch.empty_like(u.full)  # (padded,)
+            if self.S > 1:
+                all_gather(full, u.shard.detach(), group=self.shard_group)
+            else:
+                full.copy_(u.shard.detach())
+            for p, off in zip(u.params, u.bucket.offsets):
+                out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
         return out
