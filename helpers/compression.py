@@ -42,7 +42,9 @@ collectives before returning (a completed future), so they do not overlap
 with backward; the cast hook does overlap.
 
 State (error, warm-start Q) is kept per bucket, keyed by the address of the
-bucket's flat buffer: BucketedDDP reuses one buffer per bucket.
+bucket's flat buffer: BucketedDDP reuses one buffer per bucket. Every
+workspace is made on the bucket's device and in its dtype (CPU with gloo, the
+rank's GPU with nccl).
 """
 
 from __future__ import annotations
@@ -133,8 +135,8 @@ class TopKHook(_Counting):
         if n == 1:
             all_idx, all_vals = idx, vals
         else:
-            all_idx = torch.empty(n * k, dtype=idx.dtype)
-            all_vals = torch.empty(n * k, dtype=vals.dtype)
+            all_idx = torch.empty(n * k, dtype=idx.dtype, device=idx.device)     # (N k,)
+            all_vals = torch.empty(n * k, dtype=vals.dtype, device=vals.device)  # (N k,)
             all_gather(all_idx, idx.contiguous(), group=group)
             all_gather(all_vals, vals.contiguous(), group=group)
         out = torch.zeros_like(flat_grad)
@@ -165,15 +167,18 @@ class PowerSGDHook(_Counting):
         key = (flat_grad.data_ptr(), flat_grad.numel())
         n, m = powersgd_shape(flat_grad.numel())
         r = min(self.rank, n, m)
-        M = torch.zeros(n * m)
+        # (n m,): the bucket, zero-padded to a matrix; fp32 whatever the bucket's
+        # dtype (QR in 16 bits loses the basis), on the bucket's device
+        M = torch.zeros(n * m, dtype=torch.float32, device=flat_grad.device)
         M[:flat_grad.numel()] = flat_grad
         if self.error_feedback and key in self.errors:
             M += self.errors[key]
         M = M.view(n, m)
         if key not in self.qs:
             # Every rank draws the same Q (same seed): P = M Q must use one Q.
+            # Drawn on the CPU, then moved: the same numbers on every device.
             g = torch.Generator().manual_seed(self.seed)
-            self.qs[key] = torch.randn(m, r, generator=g)
+            self.qs[key] = torch.randn(m, r, generator=g).to(M.device, M.dtype)
         Q = self.qs[key]
         P = M @ Q                                          # (n, r)
         self._allreduce_mean(P, group, world)
@@ -187,7 +192,7 @@ class PowerSGDHook(_Counting):
         return _done(flat_grad.copy_(approx.reshape(-1)[:flat_grad.numel()]))
 
     def _allreduce_mean(self, t: torch.Tensor, group, world: int) -> None:
-        self.bytes_sent += ring_bytes_sent("all_reduce", t.numel() * 4, world)
+        self.bytes_sent += ring_bytes_sent("all_reduce", t.numel() * t.element_size(), world)
         if world > 1:
             t.div_(world)
             dist.all_reduce(t, group=group)
