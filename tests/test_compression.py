@@ -132,3 +132,33 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         PowerSGDHook(rank=0)
     assert powersgd_shape(30) == (5, 6) and powersgd_shape(36) == (6, 6)
+
+
+def test_hooks_keep_the_buckets_device():
+    """On the meta device a workspace made on the CPU fails at its first copy."""
+    for hook in (cast_hook(torch.bfloat16), TopKHook(0.1), PowerSGDHook(rank=2)):
+        for _ in range(2):  # the second call uses the stored error and warm start
+            out = hook(torch.empty(30, device="meta")).wait()
+            assert out.device.type == "meta", type(hook).__name__
+        state = list(getattr(hook, "errors", {}).values()) + list(getattr(hook, "qs", {}).values())
+        assert all(t.device.type == "meta" for t in state), type(hook).__name__
+
+
+def _hooks_on_gpu():
+    r = rank_info()
+    g = torch.randn(30, device=r.device)
+    out = {}
+    for name, hook in (("bf16", cast_hook(torch.bfloat16)), ("topk", TopKHook(1.0)),
+                       ("powersgd", PowerSGDHook(rank=6))):
+        res = hook(g.clone()).wait()
+        out[name] = (res.device.type, (res - g).abs().max().item())
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hooks_on_gpu_with_nccl():
+    for name, (device, diff) in launch(_hooks_on_gpu, 1, backend="nccl", timeout=120)[0].items():
+        assert device == "cuda", name
+        # one rank: the mean is the gradient itself; bf16 rounds to 8 bits,
+        # full-rank PowerSGD and top-k at 100% to fp32 rounding
+        assert diff < (2e-2 if name == "bf16" else 1e-5), (name, diff)

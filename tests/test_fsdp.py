@@ -259,3 +259,39 @@ def test_fsdp_peak_memory_below_ddp_as_predicted():
         floor = 4 * (3 * S + root + block)
         assert floor <= res[kind]["peak"] <= predicted, (kind, res[kind]["peak"], predicted)
         assert res[kind]["peak"] < 0.7 * res["ddp"]["peak"], (kind, res)
+
+
+def test_units_on_the_parameters_device():
+    """On the meta device a unit buffer made on the CPU fails at its first copy
+    (see test_zero's twin): a whole step, then where every unit tensor lives."""
+    model = build_model("toy", seed=0).to("meta")
+    f = FSDP(model)
+    opt = torch.optim.AdamW(f.parameters(), lr=LR)
+    x = torch.randint(0, 64, (2, 16), device="meta")
+    f(x, x)[1].backward()
+    opt.step()
+    held = [t for u in f._all_units() for t in (u.full, u.shard, u.shard.grad)]
+    held += list(f.full_parameters().values())
+    assert {t.device.type for t in held} == {"meta"}
+
+
+def _fsdp_on_gpu():
+    r = rank_info()
+    x = torch.randint(0, 64, (2, 16), device=r.device)
+    model, ref = build_model("toy", seed=0).to(r.device), build_model("toy", seed=0).to(r.device)
+    f = FSDP(model)
+    opt = torch.optim.AdamW(f.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        f(x, x)[1].backward(); opt.step(); opt.zero_grad()
+        ref(x, x)[1].backward(); ropt.step(); ropt.zero_grad()
+    full = f.full_parameters()
+    devices = {p.device.type for p in f.parameters()} | {t.device.type for t in full.values()}
+    return devices, max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_world_size_one_on_gpu_with_nccl():
+    devices, diff = launch(_fsdp_on_gpu, 1, backend="nccl", timeout=120)[0]
+    assert devices == {"cuda"}
+    assert diff < 1e-5  # GPU kernels may differ between the two models: rounding only
