@@ -5,7 +5,9 @@ and exposed communication with prefetch on and off. Ratios from one run.
 
 Bytes are measured from the tensors each rank holds (``ZeroOptimizer.state_bytes``)
 in the ZeRO paper's mixed precision (bf16 weights/grads, fp32 master + Adam).
-Step time is the median over steps after a warm-up, forward + backward + optimizer.
+Step time is the median over steps after a warm-up, forward + backward + optimizer;
+all rows run in one launch, one step of each in turn, so load on the machine
+hits every row alike.
 On a CPU with gloo the times measure Python hooks and gloo latency more than
 bandwidth; run on GPUs (nccl) for bandwidth-bound numbers.
 
@@ -51,9 +53,9 @@ def state_bytes(size):
     return out
 
 
-def step_time(kind, size, seq, steps):
+def _configure(kind, size):
+    """(wrapped model, optimizer, Timeline or None) for one row of the table."""
     from helpers.overlap import Timeline
-    r = rank_info()
     model = build_model(size, seed=0)
     tl = None
     if kind.startswith("zero3"):
@@ -68,37 +70,46 @@ def step_time(kind, size, seq, steps):
                  "zero3-block": dict(prefetch_bucket_numel=block, reduce_bucket_numel=block),
                  }.get(kind, {})
         tl = Timeline()
-        wrapped, opt = model, ZeroOptimizer(model, 3, lr=1e-3, timeline=tl, **knobs)
-    elif kind.startswith("fsdp2"):
+        return model, ZeroOptimizer(model, 3, lr=1e-3, timeline=tl, **knobs), tl
+    if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for blk in model.blocks:
             fully_shard(blk)
-        wrapped = fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    elif kind.startswith("fsdp"):
+        return fully_shard(model), torch.optim.AdamW(model.parameters(), lr=1e-3), None
+    if kind.startswith("fsdp"):
         from helpers.fsdp import FSDP
         tl = Timeline()
         wrapped = FSDP(model, prefetch=kind != "fsdp-noprefetch", timeline=tl)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    else:
-        from helpers.ddp import BucketedDDP
-        wrapped = BucketedDDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3), tl
+    from helpers.ddp import BucketedDDP
+    return BucketedDDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3), None
+
+
+def step_times(kinds, size, seq, steps):
+    """Every row on the same ranks, one step of each in turn (a busy moment of
+    the machine slows all rows alike, which keeps the ratios steady); the
+    median step time, exposed communication and collectives per step of each."""
+    r = rank_info()
+    runs = {k: _configure(k, size) for k in kinds}
     x = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(r.rank))
-    times, exposed, collectives = [], [], None
+    times = {k: [] for k in kinds}
+    exposed = {k: [] for k in kinds}
+    collectives = dict.fromkeys(kinds)
     for _ in range(steps):
-        if tl is not None:
-            tl.clear()
-        t0 = time.perf_counter()
-        wrapped(x, x)[1].backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        if tl is not None:
-            exposed.append(tl.exposed_comm()["exposed"])
-            collectives = sum(e["lane"] == "comm" for e in tl.events)  # this step's
+        for k, (wrapped, opt, tl) in runs.items():
+            if tl is not None:
+                tl.clear()
+            t0 = time.perf_counter()
+            wrapped(x, x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            times[k].append(time.perf_counter() - t0)
+            if tl is not None:
+                exposed[k].append(tl.exposed_comm()["exposed"])
+                collectives[k] = sum(e["lane"] == "comm" for e in tl.events)  # this step's
     med = lambda v: sorted(v[1:])[len(v[1:]) // 2] if v else float("nan")  # noqa: E731
-    return {"step": med(times), "exposed": med(exposed), "collectives": collectives}
+    return {k: {"step": med(times[k]), "exposed": med(exposed[k]), "collectives": collectives[k]}
+            for k in kinds}
 
 
 def main() -> None:
@@ -124,8 +135,7 @@ def main() -> None:
     print(f"\nStep time, 2 ranks, {args.size}, seq {args.seq}, median of {args.steps - 1} steps; "
           f"target: ZeRO-3 and helpers.fsdp <= {TARGET} x FSDP2")
     kinds = ["ddp", "fsdp2", "zero3", "zero3-block", "zero3-ds", "fsdp", "fsdp-noprefetch"]
-    res = {k: launch(step_time, 2, k, args.size, args.seq, args.steps, timeout=300)[0]
-           for k in kinds}
+    res = launch(step_times, 2, kinds, args.size, args.seq, args.steps, timeout=600)[0]
     base = res["fsdp2"]["step"]
     print(f"{'':16s} {'step ms':>8} {'x FSDP2':>8}  {'target':17s} {'coll/step':>9} "
           f"{'exposed ms':>10}")
