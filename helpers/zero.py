@@ -293,13 +293,16 @@ def _is_allocated(t: torch.Tensor) -> bool:
 class ZeroOptimizer:
     """AdamW with its state sharded over the data-parallel group, ZeRO stage 0-3.
 
-    Use it like an optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
+    Use it like an optimizer: ``opt.zero_grad(); loss.backward(); opt.step()``,
+    with one or several ``backward()`` calls per step (they accumulate);
+    ``step()`` leaves the gradients zeroed, so ``model.zero_grad()`` or no
+    zero_grad at all work too.
     ``timeline`` (a ``helpers.overlap.Timeline``) records the stage 2-3
     collectives issued during forward/backward and the time spent waiting.
     Each rank passes the loss of its own micro-batch; gradients are averaged
     over the group, so N ranks on N slices equal one process on the global
-    batch. Construction broadcasts rank 0's weights, so ranks may start from
-    different initializations.
+    batch. Construction broadcasts rank 0's weights (and frozen parameters and
+    buffers), so ranks may start from different initializations.
     """
 
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3,
