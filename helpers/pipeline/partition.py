@@ -16,9 +16,13 @@ communication costs included.)
 
 Algorithm: dynamic programming over prefixes, O(L^2 p) for L layers. best[k][i]
 is the smallest possible "largest stage" when the first i layers form k
-stages; best[k][i] = min over j of max(best[k-1][j], cost(j..i)). Ties go to
-the split whose earlier stages are smaller (the first stage usually also
-holds the embedding; the last, the head and the loss).
+stages; best[k][i] = min over j of max(best[k-1][j], cost(j..i)). Among
+splits with the same slowest stage, the last stage takes as many layers as it
+can (then the one before it, and so on), so ties leave the *earlier* stages
+smaller: ``partition(7, 3)`` is 2, 2, 3 layers. Two reasons to lighten the early
+stages: the first stage also runs the embedding, and under 1F1B stage i
+stashes the activations of p - i micro-batches (chapter 12), so an early
+layer costs more memory than a late one.
 
 ``layer_costs`` can be an int (that many layers of equal cost: split by
 count) or a list of measured costs (seconds, FLOPs, parameters...).
@@ -38,8 +42,9 @@ __all__ = ["partition", "stage_costs"]
 
 def partition(layer_costs: int | Sequence[float], num_stages: int) -> list[range]:
     """Contiguous split of the layers into ``num_stages`` non-empty stages that
-    minimizes the cost of the most expensive stage. Returns one ``range`` of
-    layer indices per stage, e.g. ``[range(0, 2), range(2, 4)]``."""
+    minimizes the cost of the most expensive stage; among equally good splits,
+    the one whose later stages are longest (earlier stages lighter). Returns one
+    ``range`` of layer indices per stage, e.g. ``[range(0, 2), range(2, 4)]``."""
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
     if isinstance(layer_costs, bool):
@@ -62,7 +67,9 @@ def partition(layer_costs: int | Sequence[float], num_stages: int) -> list[range
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, L - (num_stages - k) + 1):
-            for j in range(i - 1, k - 2, -1):  # last stage = layers [j, i); prefer it long
+            # last stage = layers [j, i); j ascending and a strict "<" keep the smallest j
+            # among equally good cuts: the longest last stage (ties -> earlier stages smaller)
+            for j in range(k - 1, i):
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i] - 1e-12:
                     best[k][i], cut[k][i] = value, j
