@@ -1,6 +1,8 @@
 """The executor on real ranks equals the unsplit model, for every schedule, on 2-4
-stages; its measured stash equals the simulator's. One launch per world size
-runs all the cases (ranks are pooled, so each launch after the first is cheap)."""
+stages; its measured stash (bytes autograd really holds) equals the simulator's
+count; sent tensors are released early; torch.distributed.pipelining gives the same
+loss and gradients. One launch per world size runs all the cases (ranks are
+pooled, so each launch after the first is cheap)."""
 
 import pytest
 import torch
@@ -37,7 +39,8 @@ def _run_cases(cases):
         chunks = split_model(build_model("toy", n_layer=N_LAYER), info.world_size, v)[info.rank]
         res = pipeline_step(chunks, sched, x, y)
         assert len(res.timeline) == len(sched[info.rank])
-        out.append((res.loss, chunk_grads(chunks), res.peak_stash, res.messages_sent))
+        out.append((res.loss, chunk_grads(chunks), res.peak_stash, res.messages_sent,
+                    res.peak_stash_bytes, res.stash_unit_bytes, res.peak_pending_sends))
     return out
 
 
@@ -112,10 +115,21 @@ def test_pipeline_equals_unsplit_model(p):
         for name, g in ref.items():
             # accumulation over micro-batches reorders float32 sums: ~1e-8 absolute
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
-        assert [results[r][i][2] for r in range(p)] == simulate(sched).peak_stash
+        # the stash measured from the bytes autograd holds equals the schedule's count
+        # (exactly: at the peak every live micro-batch holds all of its bytes)
+        sim = simulate(sched)
+        assert [results[r][i][2] for r in range(p)] == sim.peak_stash
         # every stage boundary carries one activation forward and one gradient back
         m = len(sched[0]) // (2 * v)
         assert sum(results[r][i][3] for r in range(p)) == 2 * m * (p * v - 1)
+        for r in range(p):
+            peak_bytes, units = results[r][i][4], results[r][i][5]
+            assert all(u > 0 for u in units)
+            if v == 1:  # one chunk: bytes = micro-batches x bytes of one micro-batch
+                assert peak_bytes == sim.peak_stash[r] * units[0]
+            # sent tensors are let go once delivered: 1F1B keeps at most p alive, not 2m
+            if sim.peak_stash == [min(p - k, m) for k in range(p)] and v == 1:
+                assert results[r][i][6] <= p, (r, results[r][i][6])
 
 
 @pytest.mark.slow
@@ -166,14 +180,64 @@ def test_split_by_measured_cost():
 
 
 @pytest.mark.slow
-def test_same_loss_as_torch_pipelining():
+@pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_same_loss_and_grads_as_torch_pipelining(kind, v):
     from helpers.pipeline.measure import time_schedule
-    for kind, v in [("1f1b", 1), ("interleaved", 2)]:
-        ours = launch(time_schedule, 2, kind, 4, v, engine="ours", steps=1, n_layer=4)
-        theirs = launch(time_schedule, 2, kind, 4, v, engine="torch", steps=1, n_layer=4)
-        assert ours[0]["loss"] is None and ours[1]["loss"] is not None
-        # same modules, same micro-batches; float32 reductions in the same order
-        assert ours[1]["loss"] == pytest.approx(theirs[1]["loss"], rel=1e-6)
+    args = (kind, 4, v)
+    common = dict(steps=1, n_layer=4, return_grads=True)
+    ours = launch(time_schedule, 2, *args, engine="ours", backend="gloo", **common)
+    theirs = launch(time_schedule, 2, *args, engine="torch", backend="gloo", **common)
+    assert ours[0]["loss"] is None and ours[1]["loss"] is not None
+    # same modules, same micro-batches; float32 reductions in the same order
+    assert ours[1]["loss"] == pytest.approx(theirs[1]["loss"], rel=1e-6)
+    for r in range(2):
+        assert set(ours[r]["grads"]) == set(theirs[r]["grads"]) and ours[r]["grads"]
+        for name, g in theirs[r]["grads"].items():
+            # PyTorch scales the summed micro-batch gradients by 1/m at the end, we scale
+            # each loss by 1/m: float32 rounding apart
+            torch.testing.assert_close(ours[r]["grads"][name], g, rtol=1e-5, atol=1e-7,
+                                       msg=f"rank {r} {name}")
+
+
+def _leaky_then_outsider():
+    """Rank function (2 ranks): 1F1B with a loss function that keeps every loss (and so
+    every micro-batch's graph and received input) alive, then a call from outside the
+    pipeline's group."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    info = rank_info()
+    kept = []
+
+    def leaky_loss(logits, targets):
+        from helpers.model import lm_loss
+        kept.append(lm_loss(logits, targets))
+        return kept[-1]
+
+    chunks = split_model(build_model("toy", n_layer=N_LAYER), 2)[info.rank]
+    x, y = _batch()
+    res = pipeline_step(chunks, one_f_one_b(2, 4), x, y, loss_fn=leaky_loss)
+    alone = dist.new_group([0])          # every rank creates it; rank 1 is not in it
+    whole = split_model(build_model("toy", n_layer=N_LAYER), 1)[0]
+    try:
+        pipeline_step(whole, one_f_one_b(1, 4), x, y, group=alone)
+        err = None
+    except ValueError as exc:
+        err = str(exc)
+    return res.peak_stash, res.stash_unit_bytes[0], err
+
+
+@pytest.mark.slow
+def test_measured_stash_sees_what_is_alive_and_outsiders_are_refused():
+    (stash0, _, err0), (stash1, unit1, err1) = launch(_leaky_then_outsider, 2,
+                                                      backend="gloo")
+    # The schedule's count says [2, 1]. The kept losses keep each micro-batch's graph,
+    # and with it the received activation (6, 16, 32) float32 it was built on: at the
+    # last forward, the other 3 micro-batches' inputs are still alive on rank 1.
+    assert stash0 == 2
+    assert stash1 == pytest.approx(1 + 3 * (BATCH // 4) * SEQ * 32 * 4 / unit1, rel=1e-9)
+    # rank 0 is in the one-rank group (p = 1 runs fine there), rank 1 is not
+    assert err0 is None
+    assert err1 is not None and "rank 1 is not a member of the process group" in err1
 
 
 def test_errors_before_any_rank_starts():

@@ -220,3 +220,153 @@ def test_partition_errors():
         partition(3, 0)
     with pytest.raises(ValueError, match=">= 0"):
         partition([1, -1], 2)
+
+
+# ---------------------------------------------------------------------------
+# Messages: nccl-style streams, releases of sent tensors, step groups
+# ---------------------------------------------------------------------------
+
+def _all_schedules():
+    for p in range(1, 6):
+        for m in range(1, 10):
+            yield gpipe(p, m)
+            yield one_f_one_b(p, m)
+        for v in (2, 3):
+            for m in range(p, 3 * p + 1, p):
+                yield interleaved_1f1b(p, m, v)
+
+
+def test_step_groups_never_stall_on_nccl_streams():
+    from helpers.pipeline.p2p import comm_calls, plan_messages, stream_model
+    for sched in _all_schedules():
+        plans = plan_messages(sched)
+        for one_stream in (False, True):
+            stream_model([comm_calls(pl, "steps") for pl in plans], one_stream=one_stream)
+
+
+def test_separate_calls_and_plain_pairs_stall():
+    from helpers.pipeline.p2p import comm_calls, plan_messages, stream_model
+    # 1F1B steady phase, send then receive as separate calls: both sends wait for
+    # receives queued behind the other rank's send
+    plans = plan_messages(one_f_one_b(2, 4))
+    with pytest.raises(ScheduleDeadlock, match="stall"):
+        stream_model([comm_calls(pl, "separate") for pl in plans])
+    # pairing a send with the next receive from the same peer fixes 1F1B when every call
+    # shares one communicator...
+    stream_model([comm_calls(pl, "pairs") for pl in plans], one_stream=True)
+    # ...but not interleaving on two ranks (a rank sends one chunk's gradient before it
+    # receives the other's, on both ranks)
+    plans = plan_messages(interleaved_1f1b(2, 4, 2))
+    with pytest.raises(ScheduleDeadlock, match="rank 0 at send grad0"):
+        stream_model([comm_calls(pl, "pairs") for pl in plans], one_stream=True)
+    # and mixing batched pairs with lone isend/irecv puts the two ends of a message on
+    # different communicators (PyTorch's two-rank one vs the group's), even for GPipe
+    plans = plan_messages(gpipe(2, 2))
+    with pytest.raises(ScheduleDeadlock):
+        stream_model([comm_calls(pl, "pairs") for pl in plans])
+
+
+def test_steps_order_messages():
+    from helpers.pipeline.p2p import plan_messages
+    for sched in _all_schedules():
+        plans = plan_messages(sched)
+        for r, pl in enumerate(plans):
+            steps = pl.step
+            assert steps == sorted(steps) and len(set(steps)) == len(steps)
+            for step, ops in pl.groups.items():
+                for kind, msg in ops:
+                    peer = plans[msg.dst if kind == "send" else msg.src]
+                    other = "recv" if kind == "send" else "send"
+                    assert (other, msg) in peer.groups[step]  # partner: same step
+            for i, msg in enumerate(pl.recv):  # received at its sender's step, used later
+                if msg is not None and not msg.local:
+                    sender = plans[msg.src]
+                    k = sender.send.index(msg)
+                    assert sender.step[k] < steps[i]
+    # 1F1B's steady phase is Megatron's send_forward_recv_backward: one group holds
+    # "send activation, receive gradient" for the same peer
+    pl = plan_messages(one_f_one_b(2, 4))[0]
+    assert any([(k, m.direction) for k, m in ops] == [("send", 0), ("recv", 1)]
+               for ops in pl.groups.values())
+
+
+def test_sends_are_released_only_once_delivered():
+    # Under any timing (random per-rank speeds and latency), a send released after
+    # action i's receive was already taken by its consumer: the consumer started first.
+    import random
+    from helpers.pipeline.p2p import plan_messages
+    rng = random.Random(0)
+    for sched in _all_schedules():
+        plans = plan_messages(sched)
+        p = len(sched)
+        for _ in range(3):
+            tf = [rng.uniform(0.2, 3) for _ in range(p)]
+            tb = [rng.uniform(0.2, 6) for _ in range(p)]
+            sim = simulate(sched, tf, tb, t_comm=rng.uniform(0, 2))
+            start = {(r, a): s for r, row in enumerate(sim.intervals) for s, _, a in row}
+            for r, pl in enumerate(plans):
+                for i, released in enumerate(pl.release):
+                    for k in released:
+                        msg = pl.send[k]
+                        q = msg.dst
+                        consumer = next(c for c, m in enumerate(plans[q].recv) if m == msg)
+                        assert start[(q, sched[q][consumer])] <= start[(r, sched[r][i])]
+
+
+def test_released_sends_bound_memory():
+    from helpers.pipeline.p2p import plan_messages
+    for p in (2, 3, 4):
+        for m in (p, 4 * p):
+            # 1F1B: at most p sends wait for the end of the step, whatever m
+            assert max(len(pl.unreleased) for pl in plan_messages(one_f_one_b(p, m))) <= p
+            # GPipe: each rank's m gradients go out after the previous stage's last word
+            assert [len(pl.unreleased) for pl in plan_messages(gpipe(p, m))] == [0] + [m] * (p - 1)
+
+
+# ---------------------------------------------------------------------------
+# StashMeter: bytes autograd really keeps
+# ---------------------------------------------------------------------------
+
+def test_stash_meter_counts_saved_activations():
+    import torch
+    from helpers.pipeline.stash import StashMeter
+
+    lin = torch.nn.Linear(8, 16)
+    x1, x2 = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    one = (4 * 8 + 4 * 16) * 4          # x (4, 8) and relu's output (4, 16), float32
+    meter = StashMeter(exclude=list(lin.parameters()))   # W^T is saved too: not counted
+    with meter.saving(("a", 0)):
+        h = torch.relu(lin(x1))
+    assert meter.live_bytes == one
+    with meter.saving(("b", 0)):
+        g = torch.relu(lin(x2))
+        g2 = torch.relu(lin(x2))        # x2 saved again: one region, counted once
+    assert meter.live_bytes == 2 * one + 4 * 16 * 4
+    del g2                               # never backpropagated: dropping it frees it
+    h.sum().backward(retain_graph=True)  # a kept graph keeps its bytes
+    assert meter.live_bytes == 2 * one
+    del h                                # graph dropped: its saved tensors go
+    assert meter.live_bytes == one
+    g.sum().backward()
+    assert meter.live_bytes == 0
+    # per chunk (0 here) the unit is the largest owner's forward; the peak counted
+    # owner "a" (1) and owner "b" (its full forward, incl. g2: 1)
+    assert meter.unit_bytes() == {0: one + 4 * 16 * 4}
+    peak_bytes, peak_mb = meter.peaks()
+    assert peak_bytes == 2 * one + 4 * 16 * 4
+    assert peak_mb == pytest.approx(one / (one + 4 * 16 * 4) + 1)
+
+
+def test_stash_meter_holds_until_the_tensor_dies():
+    import torch
+    from helpers.pipeline.stash import StashMeter
+
+    meter = StashMeter()
+    t = torch.zeros(10)
+    meter.hold((0, 0), t)
+    meter.hold((0, 0), t[:])            # the same region twice: counted once
+    assert meter.live_bytes == 40
+    del t
+    import gc
+    gc.collect()
+    assert meter.live_bytes == 0

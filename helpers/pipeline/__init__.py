@@ -4,6 +4,10 @@
 * ``schedules``: GPipe, 1F1B and interleaved 1F1B as pure
   functions returning one list of actions per rank (ch. 12).
 * ``simulate``: timelines, bubble fraction and peak stash of any schedule.
+* ``p2p``: the messages of a schedule, planned before any rank runs: which
+  sends and receives are posted together (nccl), when a sent tensor may be
+  freed, and a model of nccl's streams to check it.
+* ``stash``: measures the activation bytes a rank really holds for backward.
 * ``executor``: runs any F/B schedule on real ranks with send/recv.
 """
 

@@ -9,21 +9,34 @@ the plain pipeline).
 ``pipeline_step(chunks, schedule, x, y)`` runs one training step's forward
 and backward on the calling rank, following its list of actions:
 
-    F(j, c): input = embed(x_j) on virtual stage 0, else recv the activation
-             (B/m, T, C) from the rank of stage s-1; run the chunk; on the last
-             stage compute loss_j / m, else isend the output to stage s+1.
-             Stash (input, output) until B(j, c).
-    B(j, c): on the last stage backprop loss_j / m; else recv d(output) from
-             stage s+1 and backprop it; then isend d(input) to stage s-1.
+    F(j, c): input = embed(x_j) on virtual stage 0, else the activation
+             (B/m, T, C) received from the rank of stage s-1; run the chunk; on
+             the last stage compute loss_j / m, else send the output to stage
+             s+1. Stash (input, output) until B(j, c).
+    B(j, c): on the last stage backprop loss_j / m; else backprop the received
+             d(output) from stage s+1; then send d(input) to stage s-1.
 
-Why this never deadlocks: sends are ``isend`` (they never block the sender),
-each receive is posted only when the action that needs it runs, and before any
+Communication is planned before any message moves
+(``helpers.pipeline.p2p.plan_messages``; read its docstring for the why):
+each action gets a time step, and the rank posts, per step, one
+``dist.batch_isend_irecv`` holding the send of its own action at that step and
+the receives of what its neighbours send at that step. An action waits only
+for its own input. A sent tensor is released as soon as the schedule proves
+the receiver has it (the wait then returns at once); the rest at the end.
+
+Why this never deadlocks. On gloo: sends and receives are posted without
+blocking, the only blocking wait is an action's own input, and before any
 message moves every rank checks that the schedule simulates to completion
-(``helpers.pipeline.simulate.validate_schedule``). If the simulator can finish
-it, every receive has a matching send that some rank will reach. Every
-message has a known shape (B/m, T, C) and dtype, so no shape handshake is
-needed, and a tag naming (direction, micro-batch, stage), so messages cannot
-be matched to the wrong receive even when two ranks exchange several at once.
+(``helpers.pipeline.simulate.validate_schedule``): if the simulator can finish
+it, every awaited message has a send that some rank will reach. On nccl,
+where sends and receives also queue behind each other on a stream, the
+per-step groups keep every operation's partner in the peer's group of the
+same step, so no group waits for a later one (``helpers.pipeline.p2p``'s
+``stream_model`` checks it for every schedule; this was reasoned and modelled,
+not run on a multi-GPU machine). Every message has a known shape (B/m, T, C)
+and dtype, so no shape handshake is needed, and a tag naming (direction,
+micro-batch, stage); nccl ignores tags, but both sides post a rank pair's
+messages in the same order.
 
 Gradient accumulation: each micro-batch's loss is divided by m and ``.grad``
 accumulates over micro-batches, so after the step the gradients equal those of
@@ -32,15 +45,17 @@ LM-head weight lives on the first and the last stage; after the step those two
 ranks add their gradients (``sync_tied_grads``), as Megatron-LM does with an
 all-reduce over its "embedding group" (Shoeybi et al. 2019 keep the same tie).
 
-The step records each action's (start, end) on this rank's clock and the
-largest number of stashed activations, so a notebook can draw the measured
-Gantt chart next to the simulated one and compare the stash.
+The step records each action's (start, end) on this rank's clock, how long it
+waited for its input, and the activations it held for backward, *measured*
+from the tensors autograd saves (``helpers.pipeline.stash.StashMeter``): the
+peak in bytes and in micro-batches, to compare with the simulator's stash.
 
-How production differs: Megatron and ``torch.distributed.pipelining`` post
-receives ahead of time and batch send/recv pairs (``batch_isend_irecv``) to
-overlap communication with compute; they also free the output tensor's data
-after sending it ("deallocate_output_tensor") to save memory, and support
-variable shapes by exchanging them first.
+How production differs: Megatron and ``torch.distributed.pipelining`` also
+batch send/recv pairs, but lay out the groups per schedule phase (Megatron) or
+wait on each time step's group before the next (PyTorch); Megatron frees the
+output tensor's data after sending it ("deallocate_output_tensor"); both
+support variable shapes by exchanging them first. On a GPU our timeline
+records when the CPU issued the work (nothing here synchronizes the device).
 """
 
 from __future__ import annotations
@@ -55,9 +70,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.model import GPT, lm_loss
+from helpers.pipeline.p2p import plan_messages
 from helpers.pipeline.partition import partition
 from helpers.pipeline.schedules import Action, schedule_shape
 from helpers.pipeline.simulate import validate_schedule
+from helpers.pipeline.stash import StashMeter
 
 __all__ = ["StageChunk", "split_model", "pipeline_step", "StepResult", "sync_tied_grads",
            "reference_grads", "chunk_grads"]
@@ -134,13 +151,32 @@ def split_model(model: GPT, num_stages: int, num_chunks: int = 1,
 class StepResult:
     loss: float | None            # mean loss over the batch, on the last stage's rank
     timeline: list[tuple[float, float, Action]]  # this rank's compute intervals, seconds
-    peak_stash: int               # most (micro-batch, chunk) activations held at once
+    peak_stash: float             # most micro-batch activations held at once, measured
+                                  # (per chunk: bytes alive / bytes of one micro-batch)
+    peak_stash_bytes: int         # most activation bytes held for backward at once
+    stash_unit_bytes: list[int]   # bytes one micro-batch holds on each of this rank's chunks
     messages_sent: int            # point-to-point sends this rank posted
+    peak_pending_sends: int       # most sent tensors kept alive at once, waiting for delivery
+    recv_wait: list[float]        # per action: seconds blocked waiting for its input message
 
 
-def _tag(direction: int, microbatch: int, stage: int, num_virtual: int) -> int:
-    # unique per (activation | gradient, micro-batch, receiving stage)
-    return (microbatch * num_virtual + stage) * 2 + direction
+def _post(ops: list, group, global_rank: Callable[[int], int], rank: int,
+          buffers: dict, outgoing: dict) -> dict:
+    """Post one time step's sends and receives as one ``batch_isend_irecv`` (one nccl
+    group: they progress together; see helpers/pipeline/p2p.py). Returns the work
+    handle of each operation, keyed by (kind, message)."""
+    p2p = []
+    for kind, msg in ops:
+        if kind == "send":
+            p2p.append(dist.P2POp(dist.isend, outgoing[msg], global_rank(msg.dst),
+                                  group=group, tag=msg.tag))
+        else:
+            p2p.append(dist.P2POp(dist.irecv, buffers[msg], global_rank(msg.src),
+                                  group=group, tag=msg.tag))
+    works = dist.batch_isend_irecv(p2p)
+    if len(works) != len(ops):  # nccl coalesces the group into a single work handle
+        works = [works[0]] * len(ops)
+    return {op: w for op, w in zip(ops, works)}
 
 
 def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
@@ -151,14 +187,22 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     chunks: this rank's StageChunks (from ``split_model(...)[rank]``).
     x, y: the whole batch (B, T) of token ids and targets; every rank gets it
         and takes its micro-batches; only the first / last stage use x / y.
+    group: the process group of this pipeline (default: the whole world); the
+        calling rank must belong to it.
     Gradients are accumulated into the chunks' ``.grad`` (zero them before).
     """
     sched = validate_schedule(schedule)  # ValueError / ScheduleDeadlock before any message
     p, m, v = schedule_shape(sched)
-    if group is None and dist.is_initialized():
-        world, rank = dist.get_world_size(), dist.get_rank()
-    elif group is not None:
+    if group is not None:
+        if not dist.is_initialized():
+            raise ValueError("group= was given but torch.distributed is not initialized")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:  # get_rank returns -1 (or another negative) outside the group
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the process group "
+                             f"passed as group=; call pipeline_step only on that group's "
+                             f"ranks")
+    elif dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
     else:
         world, rank = 1, 0
     if world != p:
@@ -167,6 +211,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
         raise ValueError(f"rank {rank} holds {len(chunks)} chunk(s); the schedule uses {v}")
     if x.size(0) % m:
         raise ValueError(f"batch size {x.size(0)} is not divisible by {m} micro-batches")
+    plan = plan_messages(sched)[rank]  # messages, time-step groups, send releases
     S = p * v
     xs, ys = x.chunk(m), y.chunk(m)
     mb, T = xs[0].shape
@@ -174,70 +219,97 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     dtype = next(chunks[0].parameters()).dtype
     device = next(chunks[0].parameters()).device
 
-    def peer(stage: int) -> int:
-        return stage % p
-
     def global_rank(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
-    local: dict[int, torch.Tensor] = {}        # messages to ourselves (p = 1, or v > 1 wraps)
-    sends: list = []
+    local: dict = {}        # messages to ourselves (p = 1, or interleaving wraps round)
+    outgoing: dict = {}     # message -> tensor to send, until its group is posted
+    buffers: dict = {}      # message -> receive buffer, from posting until its action
+    works: dict = {}        # (kind, message) -> work handle
+    pending: dict[int, tuple] = {}   # action index -> (work, tensor) of a send in flight
+    groups = iter(plan.groups.items())
+    next_group = next(groups, None)
 
-    def send(t: torch.Tensor, dst_stage: int, direction: int, j: int) -> None:
-        tag = _tag(direction, j, dst_stage, S)
-        if peer(dst_stage) == rank:
-            local[tag] = t
-        else:
-            sends.append((dist.isend(t.contiguous(), global_rank(peer(dst_stage)), group=group,
-                                     tag=tag), t))
+    def post_until(step: int) -> None:
+        """Post, in step order, every group of a time step <= ``step``."""
+        nonlocal next_group
+        while next_group is not None and next_group[0] <= step:
+            for kind, msg in next_group[1]:
+                if kind == "recv":
+                    buffers[msg] = torch.empty(act_shape, dtype=dtype, device=device)
+            works.update(_post(next_group[1], group, global_rank, rank, buffers, outgoing))
+            for kind, msg in next_group[1]:
+                if kind == "send":
+                    outgoing.pop(msg)  # the work handle keeps it (and so do we, in pending)
+            next_group = next(groups, None)
 
-    def recv(src_stage: int, my_stage: int, direction: int, j: int) -> torch.Tensor:
-        tag = _tag(direction, j, my_stage, S)
-        if peer(src_stage) == rank:
-            return local.pop(tag)
-        buf = torch.empty(act_shape, dtype=dtype, device=device)
-        dist.irecv(buf, global_rank(peer(src_stage)), group=group, tag=tag).wait()
-        return buf
-
+    params = [q for c in chunks for q in (*c.parameters(), *c.buffers())]
+    meter = StashMeter(exclude=[*params, x, y])
     stash: dict[tuple[int, int], tuple] = {}
-    peak, losses, timeline = 0, [], []
-    n_sent = 0
-    for a in sched[rank]:
+    losses, timeline, recv_wait = [], [], []
+    n_sent = peak_pending = 0
+    for i, a in enumerate(sched[rank]):
         s = a.chunk * p + rank               # virtual stage of this action
         chunk = chunks[a.chunk]
         j = a.microbatch
+        post_until(plan.step[i] - 1)         # receive-only groups of earlier steps
+        msg_in = plan.recv[i]
+        t_wait = time.perf_counter()
+        if msg_in is None:
+            got = None
+        elif msg_in.local:
+            got = local.pop(msg_in)
+        else:
+            works.pop(("recv", msg_in)).wait()
+            got = buffers.pop(msg_in)
+        t0 = time.perf_counter()
+        recv_wait.append(t0 - t_wait)
+        for k in plan.release[i]:            # proved delivered: returns at once, frees memory
+            work, _ = pending.pop(k)
+            work.wait()
         if a.kind == "F":
-            if s == 0:
-                inp = xs[j]
-            else:
-                inp = recv(s - 1, s, 0, j).requires_grad_()   # activation (mb, T, C)
-            t0 = time.perf_counter()
-            out = chunk(inp)
-            if s == S - 1:
-                loss = loss_fn(out, ys[j])
-                losses.append(loss.detach())
-                out = loss / m               # mean over micro-batches = mean over the batch
-            else:
-                send(out.detach(), s + 1, 0, j)
-                n_sent += peer(s + 1) != rank
-            timeline.append((t0, time.perf_counter(), a))
+            inp = xs[j] if s == 0 else got.requires_grad_()   # tokens, or activation (mb, T, C)
+            with meter.saving((j, a.chunk)):
+                out = chunk(inp)
+                if s == S - 1:
+                    loss = loss_fn(out, ys[j])
+                    losses.append(loss.detach())
+                    out = loss / m           # mean over micro-batches = mean over the batch
+                    del loss                 # it would keep this micro-batch's graph (and its
+                                             # received input) alive until the next forward
+            meter.hold((j, a.chunk), inp)
+            meter.hold((j, a.chunk), out)
             stash[(j, a.chunk)] = (inp, out)
-            peak = max(peak, len(stash))
+            t_out = None if s == S - 1 else out.detach()
         else:
             inp, out = stash.pop((j, a.chunk))
-            grad = None if s == S - 1 else recv(s + 1, s, 1, j)   # d loss / d out (mb, T, C)
-            t0 = time.perf_counter()
-            torch.autograd.backward(out, grad)
-            if s > 0:
-                send(inp.grad, s - 1, 1, j)
-                n_sent += peer(s - 1) != rank
-            timeline.append((t0, time.perf_counter(), a))
-    for work, _ in sends:                    # the tensors stayed alive until here
+            torch.autograd.backward(out, got)   # got: d loss / d out (mb, T, C), or None
+            t_out = inp.grad if s > 0 else None
+            del inp, out                     # nothing of this micro-batch stays alive here
+        msg_out = plan.send[i]
+        if msg_out is not None:
+            if msg_out.local:
+                local[msg_out] = t_out
+            else:
+                outgoing[msg_out] = t_out.contiguous()
+                n_sent += 1
+        post_until(plan.step[i])             # this step's group: our send, neighbours' sends
+        if msg_out is not None and not msg_out.local:
+            pending[i] = (works.pop(("send", msg_out)), t_out)
+            peak_pending = max(peak_pending, len(pending))
+        timeline.append((t0, time.perf_counter(), a))
+        del got, t_out
+    post_until(float("inf"))                 # nothing left in practice; a guard
+    for work, _ in pending.values():         # sends nobody could vouch for
         work.wait()
+    pending.clear()
     if sync_tied:
         sync_tied_grads(chunks, p, group=group)
     loss = float(torch.stack(losses).mean()) if losses else None
-    return StepResult(loss, timeline, peak, n_sent)
+    peak_bytes, peak_mb = meter.peaks()
+    units = meter.unit_bytes()
+    return StepResult(loss, timeline, peak_mb, peak_bytes,
+                      [units.get(c, 0) for c in range(v)], n_sent, peak_pending, recv_wait)
 
 
 def sync_tied_grads(chunks: Sequence[StageChunk], num_stages: int, group=None) -> None:
@@ -259,9 +331,12 @@ def sync_tied_grads(chunks: Sequence[StageChunk], num_stages: int, group=None) -
     other = dist.get_global_rank(group, other) if group is not None else other
     mine = first[0].wte.weight if first else last[0].lm_head.weight
     theirs = torch.empty_like(mine.grad)
-    work = dist.isend(mine.grad.clone(), other, group=group, tag=1 << 20)
-    dist.recv(theirs, other, group=group, tag=1 << 20)
-    work.wait()
+    # both ranks send, then receive: posted as separate calls, nccl could stall both
+    # sends (see helpers/pipeline/p2p.py); one group lets them pass each other
+    ops = [dist.P2POp(dist.isend, mine.grad.clone(), other, group=group, tag=1 << 20),
+           dist.P2POp(dist.irecv, theirs, other, group=group, tag=1 << 20)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
     mine.grad.add_(theirs)
 
 

@@ -62,13 +62,14 @@ def measured_bubble(timelines: list[list[tuple[float, float, Action]]]):
 
 def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: str = "toy",
                   n_layer: int = 8, microbatch_size: int = 8, seq_len: int = 32,
-                  steps: int = 4, threads: int = 1) -> dict:
+                  steps: int = 4, threads: int = 1, return_grads: bool = False) -> dict:
     """Rank function. ``engine``: "ours" (helpers.pipeline.executor) or "torch"
     (torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B /
-    ScheduleInterleaved1F1B). The first step is a warm-up and is not timed."""
+    ScheduleInterleaved1F1B). The first step is a warm-up and is not timed.
+    ``return_grads``: also return the last step's gradients (unsplit model's names)."""
     from helpers import rank_info
     from helpers.model import build_model, lm_loss
-    from helpers.pipeline.executor import pipeline_step, split_model, sync_tied_grads
+    from helpers.pipeline.executor import chunk_grads, pipeline_step, split_model, sync_tied_grads
 
     torch.set_num_threads(threads)
     info = rank_info()
@@ -120,8 +121,11 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
             timelines.append(out[1])
     loss, _, stash = out
     # step_time: median over the timed steps; timelines: one per timed step
-    return dict(step_time=statistics.median(times), step_times=times, loss=loss,
-                timelines=timelines, peak_stash=stash)
+    result = dict(step_time=statistics.median(times), step_times=times, loss=loss,
+                  timelines=timelines, peak_stash=stash)
+    if return_grads:
+        result["grads"] = chunk_grads(chunks)
+    return result
 
 
 def layer_costs(model, x: torch.Tensor, y: torch.Tensor, repeats: int = 5) -> dict:
