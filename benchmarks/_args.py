@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 
+def check_size_seq(size: str, seq: int, seq_flag: str = "--seq") -> None:
+    """--size names a model size and a sequence of ``seq`` tokens fits its position table
+    (for benchmarks whose flags differ from ``validate``'s)."""
+    from helpers.model import MODEL_SIZES
+    if size not in MODEL_SIZES:
+        raise ValueError(f"--size must be one of {sorted(MODEL_SIZES)}, got {size!r}")
+    block = MODEL_SIZES[size]["block_size"]
+    if not 1 <= seq <= block:
+        raise ValueError(f"{seq_flag} must be in [1, {block}] for size {size!r}, got {seq}")
+
+
 def validate(args) -> None:
     """--size, --seq, --steps (and --world if present) of a benchmark."""
-    from helpers.model import MODEL_SIZES
-    if args.size not in MODEL_SIZES:
-        raise ValueError(f"--size must be one of {sorted(MODEL_SIZES)}, got {args.size!r}")
-    block = MODEL_SIZES[args.size]["block_size"]
-    if not 1 <= args.seq <= block:
-        raise ValueError(f"--seq must be in [1, {block}] for size {args.size!r}, got {args.seq}")
+    check_size_seq(args.size, args.seq)
     if args.steps < 2:
         raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {args.steps}")
     if getattr(args, "world", 2) < 2:

@@ -259,3 +259,30 @@ def test_errors_before_any_rank_starts():
         pipeline_step(split_model(model, 2)[0], reversed_warmup, x, y)
     with pytest.raises(ValueError, match="before its forward"):
         pipeline_step(chunks, [[B(0), F(0)]], x, y)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--size", "huge"], "--size must be one of"),
+    (["--seq-len", "65"], r"--seq-len must be in \[1, 64\] for size 'tiny'"),
+    (["--n-layer", "3"], "--n-layer must be >= 2 x --stages = 4"),
+    (["--stages", "3", "--n-layer", "5"], "--n-layer must be >= 2 x --stages = 6"),
+    (["--stages", "1"], "--stages must be >= 2"),
+])
+def test_benchmark_refuses_bad_arguments_before_any_rank_starts(argv, message, monkeypatch):
+    import importlib.util
+    import pathlib
+    import sys
+    bench_dir = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location("bench_pipeline", bench_dir / "bench_pipeline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started before the arguments were checked")
+
+    monkeypatch.setattr(bench, "launch", no_launch)
+    with pytest.raises(ValueError, match=message):
+        bench.main(argv)
+    sys.modules.pop("_args", None)

@@ -158,6 +158,8 @@ class StepResult:
     messages_sent: int            # point-to-point sends this rank posted
     peak_pending_sends: int       # most sent tensors kept alive at once, waiting for delivery
     recv_wait: list[float]        # per action: seconds blocked waiting for its input message
+    cpu_time: list[float]         # per action: CPU seconds this thread spent in its interval
+                                  # (below the interval's length: the rank waited for a core)
 
 
 def _post(ops: list, group, global_rank: Callable[[int], int], rank: int,
@@ -246,7 +248,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     params = [q for c in chunks for q in (*c.parameters(), *c.buffers())]
     meter = StashMeter(exclude=[*params, x, y])
     stash: dict[tuple[int, int], tuple] = {}
-    losses, timeline, recv_wait = [], [], []
+    losses, timeline, recv_wait, cpu = [], [], [], []
     n_sent = peak_pending = 0
     for i, a in enumerate(sched[rank]):
         s = a.chunk * p + rank               # virtual stage of this action
@@ -262,7 +264,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
         else:
             works.pop(("recv", msg_in)).wait()
             got = buffers.pop(msg_in)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         recv_wait.append(t0 - t_wait)
         for k in plan.release[i]:            # proved delivered: returns at once, frees memory
             work, _ = pending.pop(k)
@@ -298,6 +300,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             pending[i] = (works.pop(("send", msg_out)), t_out)
             peak_pending = max(peak_pending, len(pending))
         timeline.append((t0, time.perf_counter(), a))
+        cpu.append(time.thread_time() - c0)
         del got, t_out
     post_until(float("inf"))                 # nothing left in practice; a guard
     for work, _ in pending.values():         # sends nobody could vouch for
@@ -309,7 +312,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     peak_bytes, peak_mb = meter.peaks()
     units = meter.unit_bytes()
     return StepResult(loss, timeline, peak_mb, peak_bytes,
-                      [units.get(c, 0) for c in range(v)], n_sent, peak_pending, recv_wait)
+                      [units.get(c, 0) for c in range(v)], n_sent, peak_pending, recv_wait, cpu)
 
 
 def sync_tied_grads(chunks: Sequence[StageChunk], num_stages: int, group=None) -> None:

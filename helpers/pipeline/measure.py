@@ -3,15 +3,25 @@
 ``time_schedule`` is a rank function (call it through ``launch``): it splits the
 GPT into stages, runs a few steps of one schedule with our executor or with
 ``torch.distributed.pipelining`` on the *same* split, and returns the step
-times, the last step's timeline, the peak stash and the loss. ``measured_bubble``
-turns the ranks' timelines into a bubble fraction defined exactly as the
-simulator defines it: 1 - busy / (p * makespan).
+times, each timed step's timeline, the measured stash and the loss.
+``measured_bubble`` turns the ranks' timelines into a bubble fraction defined
+exactly as the simulator defines it: 1 - busy / (p * makespan).
 
 What "busy" means here: the time a rank spends in its forward or backward
 compute, from the moment its input has arrived. Waiting for a receive is idle,
-as on a GPU. On a laptop with fewer cores than ranks, ranks also wait for a
-core; that shows up as longer compute, not as bubble, so run p <= cores when
-you compare with the formula.
+as on a GPU. What separates a measurement from the formula (p-1)/(v*m+p-1):
+
+* messages are not free: each hop costs a latency (``p2p_latency``), and
+  1F1B's steady phase waits for a round trip; interleaving has v times more
+  hops. Small micro-batches make this large next to the compute.
+* the stages are not equal: the first also embeds, the last runs the head and
+  the loss. ``replay`` feeds the simulator each rank's measured forward and
+  backward times (and a latency): the formula evaluated on what really ran.
+* the machine: with more busy processes than cores, a rank waits for a core in
+  the middle of its compute, which stretches busy intervals unevenly (more
+  when both ranks compute, less when one waits). ``cpu_share`` says how much
+  of the compute intervals the ranks actually ran (1.0: a core each); well
+  below 1 the measurement describes the scheduler as much as the pipeline.
 """
 
 from __future__ import annotations
@@ -24,8 +34,8 @@ import torch.distributed as dist
 
 from helpers.pipeline.schedules import Action
 
-__all__ = ["measured_bubble", "median_bubble", "time_schedule", "make_schedule", "layer_costs",
-           "p2p_latency", "replay"]
+__all__ = ["measured_bubble", "median_bubble", "cpu_share", "time_schedule", "make_schedule",
+           "layer_costs", "p2p_latency", "replay"]
 
 
 def make_schedule(kind: str, p: int, m: int, v: int = 1):
@@ -48,6 +58,14 @@ def median_bubble(results: list[dict]) -> tuple[float, list]:
     order = sorted(range(len(per_step)), key=lambda i: per_step[i][2])
     mid = per_step[order[len(order) // 2]]
     return mid[2], mid[0]
+
+
+def cpu_share(results: list[dict]) -> float:
+    """CPU seconds / wall seconds over every compute interval of every rank and timed
+    step of ``launch(time_schedule, ...)``: 1.0 when each rank had a core to itself."""
+    cpu = sum(sum(step) for r in results for step in r["cpu_times"])
+    wall = sum(e - s for r in results for tl in r["timelines"] for s, e, _ in tl)
+    return cpu / wall
 
 
 def measured_bubble(timelines: list[list[tuple[float, float, Action]]]):
@@ -106,9 +124,9 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
     else:
         def step():
             res = pipeline_step(chunks, sched, x, y)
-            return res.loss, res.timeline, res.peak_stash
+            return res.loss, res.timeline, res
 
-    times, timelines, out = [], [], None
+    times, timelines, cpu_times, out = [], [], [], None
     for i in range(steps + 1):
         for q in params:
             q.grad = None
@@ -119,10 +137,14 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
         if i:
             times.append(time.perf_counter() - t0)
             timelines.append(out[1])
-    loss, _, stash = out
-    # step_time: median over the timed steps; timelines: one per timed step
+            cpu_times.append(out[2].cpu_time if out[2] is not None else None)
+    loss, _, res = out
+    # step_time: median over the timed steps; timelines, cpu_times: one per timed step
     result = dict(step_time=statistics.median(times), step_times=times, loss=loss,
-                  timelines=timelines, peak_stash=stash)
+                  timelines=timelines, cpu_times=cpu_times,
+                  peak_stash=res.peak_stash if res else None,
+                  peak_stash_bytes=res.peak_stash_bytes if res else None,
+                  stash_unit_bytes=res.stash_unit_bytes if res else None)
     if return_grads:
         result["grads"] = chunk_grads(chunks)
     return result
