@@ -165,6 +165,13 @@ def test_world_size_one_without_process_group():
     for name, g in ref.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
     assert res.messages_sent == 0
+    # without the stash meter (timing runs): the same gradients, no stash figures
+    import math
+    model2 = split_model(build_model("toy", n_layer=N_LAYER), 1, 2)[0]
+    res2 = pipeline_step(model2, interleaved_1f1b(1, 4, 2), x, y, measure_stash=False)
+    assert math.isnan(res2.peak_stash) and res2.peak_stash_bytes == 0
+    for name, g in chunk_grads(model2).items():
+        torch.testing.assert_close(g, grads[name], rtol=0, atol=0, msg=name)
 
 
 def test_split_by_measured_cost():

@@ -60,6 +60,7 @@ records when the CPU issued the work (nothing here synchronizes the device).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -183,7 +184,8 @@ def _post(ops: list, group, global_rank: Callable[[int], int], rank: int,
 
 def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
                   x: torch.Tensor, y: torch.Tensor, *, group=None,
-                  loss_fn: Callable = lm_loss, sync_tied: bool = True) -> StepResult:
+                  loss_fn: Callable = lm_loss, sync_tied: bool = True,
+                  measure_stash: bool = True) -> StepResult:
     """Forward + backward of one step on this rank, following ``schedule``.
 
     chunks: this rank's StageChunks (from ``split_model(...)[rank]``).
@@ -191,6 +193,10 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
         and takes its micro-batches; only the first / last stage use x / y.
     group: the process group of this pipeline (default: the whole world); the
         calling rank must belong to it.
+    measure_stash: measure the activations held for backward (StashMeter). It
+        costs a Python call per saved tensor and many small objects (whose
+        garbage collection grows with the stash): turn it off for timing runs,
+        and the stash fields come back as NaN / 0.
     Gradients are accumulated into the chunks' ``.grad`` (zero them before).
     """
     sched = validate_schedule(schedule)  # ValueError / ScheduleDeadlock before any message
@@ -246,7 +252,9 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             next_group = next(groups, None)
 
     params = [q for c in chunks for q in (*c.parameters(), *c.buffers())]
-    meter = StashMeter(exclude=[*params, x, y])
+    meter = StashMeter(exclude=[*params, x, y]) if measure_stash else None
+    saving = meter.saving if meter else lambda owner: contextlib.nullcontext()
+    hold = meter.hold if meter else lambda owner, t: None
     stash: dict[tuple[int, int], tuple] = {}
     losses, timeline, recv_wait, cpu = [], [], [], []
     n_sent = peak_pending = 0
@@ -271,7 +279,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             work.wait()
         if a.kind == "F":
             inp = xs[j] if s == 0 else got.requires_grad_()   # tokens, or activation (mb, T, C)
-            with meter.saving((j, a.chunk)):
+            with saving((j, a.chunk)):
                 out = chunk(inp)
                 if s == S - 1:
                     loss = loss_fn(out, ys[j])
@@ -279,8 +287,8 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
                     out = loss / m           # mean over micro-batches = mean over the batch
                     del loss                 # it would keep this micro-batch's graph (and its
                                              # received input) alive until the next forward
-            meter.hold((j, a.chunk), inp)
-            meter.hold((j, a.chunk), out)
+            hold((j, a.chunk), inp)
+            hold((j, a.chunk), out)
             stash[(j, a.chunk)] = (inp, out)
             t_out = None if s == S - 1 else out.detach()
         else:
@@ -309,8 +317,8 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     if sync_tied:
         sync_tied_grads(chunks, p, group=group)
     loss = float(torch.stack(losses).mean()) if losses else None
-    peak_bytes, peak_mb = meter.peaks()
-    units = meter.unit_bytes()
+    peak_bytes, peak_mb = meter.peaks() if meter else (0, float("nan"))
+    units = meter.unit_bytes() if meter else {}
     return StepResult(loss, timeline, peak_mb, peak_bytes,
                       [units.get(c, 0) for c in range(v)], n_sent, peak_pending, recv_wait, cpu)
 

@@ -111,7 +111,7 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
                "interleaved": pp.ScheduleInterleaved1F1B}[kind]
         runner = cls(stages if kind == "interleaved" else stages[0], m, loss_fn=lm_loss)
 
-        def step():
+        def step(warm_up: bool):
             losses = []
             kwargs = {}
             if any(c.last for c in chunks):
@@ -122,17 +122,22 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
             return (float(torch.stack([l.detach() for l in losses]).mean()) if losses else None,
                     None, None)
     else:
-        def step():
-            res = pipeline_step(chunks, sched, x, y)
+        def step(warm_up: bool):
+            # the stash is measured in the warm-up step (same shapes, same bytes); the
+            # meter's per-tensor bookkeeping would otherwise show up in the timings
+            res = pipeline_step(chunks, sched, x, y, measure_stash=warm_up)
+            if warm_up:
+                stash[:] = [res.peak_stash, res.peak_stash_bytes, res.stash_unit_bytes]
             return res.loss, res.timeline, res
 
     times, timelines, cpu_times, out = [], [], [], None
+    stash = [None, None, None]
     for i in range(steps + 1):
         for q in params:
             q.grad = None
         dist.barrier()
         t0 = time.perf_counter()
-        out = step()
+        out = step(i == 0)
         dist.barrier()
         if i:
             times.append(time.perf_counter() - t0)
@@ -142,9 +147,7 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
     # step_time: median over the timed steps; timelines, cpu_times: one per timed step
     result = dict(step_time=statistics.median(times), step_times=times, loss=loss,
                   timelines=timelines, cpu_times=cpu_times,
-                  peak_stash=res.peak_stash if res else None,
-                  peak_stash_bytes=res.peak_stash_bytes if res else None,
-                  stash_unit_bytes=res.stash_unit_bytes if res else None)
+                  peak_stash=stash[0], peak_stash_bytes=stash[1], stash_unit_bytes=stash[2])
     if return_grads:
         result["grads"] = chunk_grads(chunks)
     return result
