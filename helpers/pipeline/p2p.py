@@ -156,8 +156,8 @@ def _messages(a: Action, rank: int, p: int, S: int) -> tuple[Message | None, Mes
 def plan_messages(schedule: Sequence[Sequence]) -> list[RankPlan]:
     """One ``RankPlan`` per rank; ValueError / ScheduleDeadlock for an invalid schedule."""
     sched = validate_schedule(schedule)
-    p, _, _ = schedule_shape(sched)
-    S = p * schedule_shape(sched)[2]
+    p, _, v = schedule_shape(sched)
+    S = p * v                                   # virtual stages
     msgs = [[_messages(a, r, p, S) for a in row] for r, row in enumerate(sched)]
     sender = {snd: (r, i) for r, row in enumerate(msgs) for i, (_, snd) in enumerate(row) if snd}
     receiver = {rcv: (r, i) for r, row in enumerate(msgs) for i, (rcv, _) in enumerate(row) if rcv}

@@ -27,7 +27,9 @@ A schedule that cannot finish (two ranks each waiting for the other) raises
 ``ScheduleDeadlock``, naming the stuck actions. Since sends never block in
 our executor (``isend``) and each receive waits only for an action the
 simulator found runnable, a schedule that simulates also runs: this check is
-what makes the executor deadlock-free.
+what makes the executor deadlock-free on gloo. On nccl, where sends and
+receives also queue on a stream, the executor additionally posts them in
+per-step groups (``helpers.pipeline.p2p``).
 
 How production differs: real runs add launch overheads, contention between
 communication and compute, and imbalanced layers (the embedding and the head);
