@@ -10,8 +10,11 @@ replaying the measured per-rank forward / backward times plus the measured messa
 latency ("replay"): the formula's assumptions (equal stages, free messages) swapped
 for what really ran. "ran" is the CPU time / wall time of the compute intervals:
 1.00 when each rank had a core to itself; lower, and the timelines measure the
-machine's scheduler too (other processes, or more ranks than cores). Target (issue
-6): |measured - formula| <= 0.05 with balanced stages.
+machine's scheduler too (other processes, or more ranks than cores). On a shared
+machine each row is measured up to --tries times and the run whose ranks ran the
+most is kept ("tries"): the choice looks at the machine, never at the bubble; a
+run with ran >= 0.97 stops the retries. Target (issue 6): |measured - formula| <=
+0.05 with balanced stages.
 
 Table 2: median step time of our executor and of PyTorch's ScheduleGPipe /
 Schedule1F1B / ScheduleInterleaved1F1B with the same stage modules, and their ratio.
@@ -45,7 +48,8 @@ def check_args(args) -> None:
     """Every argument, before any rank starts."""
     check_size_seq(args.size, args.seq_len, "--seq-len")
     for flag, value, low in [("--stages", args.stages, 2), ("--steps", args.steps, 1),
-                             ("--microbatch-size", args.microbatch_size, 1)]:
+                             ("--microbatch-size", args.microbatch_size, 1),
+                             ("--tries", args.tries, 1)]:
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     v = max(v for _, v in SCHEDULES)
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
+    ap.add_argument("--tries", type=int, default=3,
+                    help="runs per row at most; the least disturbed one is kept")
     args = ap.parse_args(argv)
     check_args(args)
     p = args.stages
@@ -77,11 +83,14 @@ def main(argv=None) -> int:
 
     print("\nbubble fraction: measured on real ranks vs (p-1)/(v*m+p-1) and vs the replay")
     print(f"{'schedule':16s} {'m':>3s} {'measured':>9s} {'formula':>8s} {'diff':>6s} "
-          f"{'replay':>7s} {'ran':>5s} {'step ms':>8s}")
+          f"{'replay':>7s} {'ran':>5s} {'tries':>5s} {'step ms':>8s}")
     diffs, shares = [], []
     for kind, v in SCHEDULES:
         for m in (p, 2 * p, 4 * p, 8 * p):
-            res = launch(time_schedule, p, kind, m, v, timeout=300, **common)
+            runs = []
+            while len(runs) < args.tries and (not runs or cpu_share(runs[-1]) < 0.97):
+                runs.append(launch(time_schedule, p, kind, m, v, timeout=300, **common))
+            res = max(runs, key=cpu_share)
             bubble, _ = median_bubble(res)
             # the replay of every timed step, with that step's per-rank mean times
             sched = make_schedule(kind, p, m, v)
@@ -93,7 +102,7 @@ def main(argv=None) -> int:
             diffs.append(bubble - want)
             shares.append(share)
             print(f"{kind + (f' v={v}' if v > 1 else ''):16s} {m:3d} {bubble:9.3f} {want:8.3f} "
-                  f"{bubble - want:+6.3f} {rep:7.3f} {share:5.2f} "
+                  f"{bubble - want:+6.3f} {rep:7.3f} {share:5.2f} {len(runs):5d} "
                   f"{1e3 * res[0]['step_time']:8.1f}", flush=True)
     worst = max(diffs, key=abs)
     print(f"largest |measured - formula| {abs(worst):.3f} (target 0.05: "

@@ -275,6 +275,7 @@ def test_errors_before_any_rank_starts():
     (["--n-layer", "3"], "--n-layer must be >= 2 x --stages = 4"),
     (["--stages", "3", "--n-layer", "5"], "--n-layer must be >= 2 x --stages = 6"),
     (["--stages", "1"], "--stages must be >= 2"),
+    (["--tries", "0"], "--tries must be >= 1"),
 ])
 def test_benchmark_refuses_bad_arguments_before_any_rank_starts(argv, message, monkeypatch):
     import importlib.util
