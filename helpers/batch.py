@@ -185,7 +185,7 @@ def measure_noise_scale(model: nn.Module, loss_fn: Callable, batch, group=None) 
     for q in params:
         q.grad = None
     loss_fn(model, batch).backward()
-    local = torch.tensor([grad_sq_norm(params)], dtype=torch.float64)
+    local = torch.tensor([grad_sq_norm(params)], dtype=torch.float64, device=params[0].device)
     dist.all_reduce(local, group=group)
     g_small_sq = float(local) / p
     for q in params:

@@ -369,7 +369,7 @@ def sweep(sizes: Iterable[int], impls: Sequence[str] = IMPLS, iters: int = 5,
                 fn(x)
                 if x.is_cuda:
                     torch.cuda.synchronize(x.device)
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # done when the slowest rank is
                 if i >= warmup:
                     samples[impl].append(float(dt))

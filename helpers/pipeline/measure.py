@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from helpers.launch import rank_info
 from helpers.pipeline.schedules import Action
 
 __all__ = ["measured_bubble", "median_bubble", "cpu_share", "time_schedule", "make_schedule",
@@ -191,7 +192,7 @@ def p2p_latency(numel: int, repeats: int = 50) -> float:
     from rank 0 to rank 1 (half the median ping-pong round trip)."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    buf = torch.zeros(numel)
+    buf = torch.zeros(numel, device=rank_info().device)  # nccl sends GPU tensors only
     rtts = []
     for _ in range(repeats + 1):
         dist.barrier()
