@@ -199,7 +199,9 @@ def _unused_on_some_ranks():
     theirs_model = copy.deepcopy(model)
     ours = {k: BucketedDDP(copy.deepcopy(model), bucket_cap_mb=0, first_bucket_mb=0,
                            find_unused_parameters=k) for k in (True, False)}
-    theirs = torch.nn.parallel.DistributedDataParallel(theirs_model, bucket_cap_mb=0,
+    # a tiny positive cap, not 0: one bucket per parameter either way, but torch
+    # 2.11's DDP raises on bucket_cap_mb=0 ("should be set by now")
+    theirs = torch.nn.parallel.DistributedDataParallel(theirs_model, bucket_cap_mb=1e-6,
                                                        find_unused_parameters=True)
     g = torch.Generator().manual_seed(9)
     out = {"diff": {True: [], False: []}, "b_grad_nonzero": []}

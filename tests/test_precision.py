@@ -277,5 +277,12 @@ def test_cuda_fp8_gemm_equals_fp32_reference(m, k, n):
     got = fp8_gemm(a8, b8, torch.tensor(4.0), torch.tensor(2.0), torch.float32)
     ref = (a8.cpu().float() / 4) @ (b8.cpu().float() / 2)
     assert FP8_GEMM["scaled_mm" if scaled_mm_available("cuda") else "emulated"] == 1
-    # products of FP8 values are exact in fp32; cuBLAS sums in a different order
-    torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-4)
+    # Products of FP8 values are exact in fp32, but Hopper's FP8 tensor cores add
+    # them with about 14 mantissa bits, not fp32's 23 (DeepSeek-AI 2024,
+    # DeepSeek-V3 technical report, sec. 3.3.2; cuBLAS promotes partial sums to
+    # fp32 only now and then). Measured on an H100: up to 2e-4 of the sum of
+    # |products|. Bound: 2^-10 of that sum; a wrong scale or layout is off by
+    # the order of the sum itself.
+    mag = (a8.cpu().float().abs() / 4) @ (b8.cpu().float().abs() / 2)
+    err = (got.cpu() - ref).abs()
+    assert (err <= 2**-10 * mag + 1e-6).all(), (err / (mag + 1e-12)).max()
