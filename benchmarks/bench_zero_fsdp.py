@@ -72,10 +72,8 @@ def _configure(kind, size):
         tl = Timeline()
         return model, ZeroOptimizer(model, 3, lr=1e-3, timeline=tl, **knobs), tl
     if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for blk in model.blocks:
-            fully_shard(blk)
-        return fully_shard(model), torch.optim.AdamW(model.parameters(), lr=1e-3), None
+        from helpers.fsdp import torch_fsdp2
+        return torch_fsdp2(model), torch.optim.AdamW(model.parameters(), lr=1e-3), None
     if kind.startswith("fsdp"):
         from helpers.fsdp import FSDP
         tl = Timeline()

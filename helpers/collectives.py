@@ -354,7 +354,7 @@ def sweep(sizes: Iterable[int], impls: Sequence[str] = IMPLS, iters: int = 5,
     """
     sizes = check_sweep_args(sizes, impls, iters, warmup)
     p = dist.get_world_size()
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device = "cuda" if "nccl" in dist.get_backend() else "cpu"  # "cpu:gloo,cuda:nccl" too
     rows = []
     for nbytes in sizes:
         x = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)

@@ -71,7 +71,8 @@ from helpers.overlap import record_comm, wait_comm
 from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
                           reduce_scatter, ring_bytes_sent)
 
-__all__ = ["FSDP", "hybrid_grid", "hybrid_groups", "block_policy", "next_unit_prefetch"]
+__all__ = ["FSDP", "hybrid_grid", "hybrid_groups", "block_policy", "next_unit_prefetch",
+           "torch_fsdp2"]
 
 
 def block_policy(module: nn.Module) -> bool:
@@ -117,6 +118,25 @@ def hybrid_groups(shard_size: int):
         if rank in col:
             mine_rep = g
     return mine_shard, mine_rep
+
+
+def torch_fsdp2(model: nn.Module) -> nn.Module:
+    """PyTorch's FSDP2, the course's yardstick: ``fully_shard`` on each block,
+    then on the root (the same units as ``FSDP`` with ``block_policy``).
+
+    The mesh is built on the device type of this rank's tensors. Left to
+    itself FSDP2 takes the machine's accelerator, so on a GPU node whose ranks
+    run gloo on the CPU (more ranks than GPUs) every rank crashed with a
+    segmentation fault (seen on an H100 node).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 class _Unit:

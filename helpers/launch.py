@@ -160,6 +160,14 @@ def _resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def _group_backend(backend: str) -> str:
+    """What init_process_group gets. An nccl job also gets gloo for CPU
+    tensors: nccl moves only CUDA tensors, and a rank function that keeps the
+    tiny model (or a counter, or a list of results) on the CPU should still run
+    on a GPU node rather than fail with "no backend for device cpu"."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def _check_args(fn: Callable, world_size: Any, timeout: Any) -> None:
     if not callable(fn):
         raise TypeError(f"launch needs a function to run on every rank, got {type(fn).__name__}")
@@ -188,6 +196,7 @@ def _torchrun_info() -> RankInfo:
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = dist.get_backend() if dist.is_initialized() else "none"
+    backend = "nccl" if "nccl" in backend else backend  # "cpu:gloo,cuda:nccl" is an nccl job
     device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
     return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank,
                     backend, device if torch.cuda.is_available() or device == "cpu" else "cpu")
@@ -211,13 +220,16 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, seed,
         raise ValueError(f"launch(..., world_size={world_size}) under torchrun with "
                          f"WORLD_SIZE={env_world}: pass the job's world size")
     if not dist.is_initialized():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        per_node = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if backend == "auto":
-            backend = "nccl" if per_node > local_rank and dist.is_nccl_available() else "gloo"
+        # Every process must pick the same backend, so decide on what they all
+        # see alike (GPUs per node vs processes per node), never on this
+        # process's own LOCAL_RANK: with 1 GPU and 2 processes that would give
+        # rank 0 nccl and rank 1 gloo, and the job fails at the first collective.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        backend = _resolve_backend(backend, local_world)
         if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(_group_backend(backend),
+                                timeout=datetime.timedelta(seconds=timeout))
         # We made the group, so we take it down: a group still alive when the
         # interpreter exits can abort the process ("terminate called without an
         # active exception" from a gloo thread), failing a job that succeeded.
@@ -354,7 +366,7 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int,
             if dist.is_initialized():
                 dist.destroy_process_group()
             dist.init_process_group(
-                backend, store=dist.PrefixStore(f"launch{generation}", store),
+                _group_backend(backend), store=dist.PrefixStore(f"launch{generation}", store),
                 rank=rank, world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout))
             fn, args, kwargs = cloudpickle.loads(payload)

@@ -6,7 +6,7 @@ import torch
 from helpers import launch, rank_info
 from helpers.data import make_dataset
 from helpers.ddp import BucketedDDP
-from helpers.fsdp import FSDP, hybrid_grid, hybrid_groups
+from helpers.fsdp import FSDP, hybrid_grid, hybrid_groups, torch_fsdp2
 from helpers.model import build_model
 from helpers.overlap import Timeline
 
@@ -31,12 +31,9 @@ def _train(configs):
         kind = name.split(":")[0]
         tl = Timeline()
         if kind == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
             model = build_model("toy", seed=0)  # FSDP2 does not broadcast
-            for blk in model.blocks:
-                fully_shard(blk)
-            fully_shard(model)
-            wrapped, params = model, model.parameters()
+            wrapped = torch_fsdp2(model)
+            params = model.parameters()
         elif kind == "ddp":
             wrapped = BucketedDDP(model)
             params = model.parameters()

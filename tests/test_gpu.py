@@ -41,6 +41,18 @@ def test_auto_picks_nccl_with_one_rank_per_gpu():
     assert launch(fn, WORLD) == [("nccl", f"cuda:{r}", total, r) for r in range(WORLD)]
 
 
+def test_cpu_tensors_still_reduce_in_an_nccl_job():
+    # A notebook's rank function that keeps the tiny model on the CPU runs on
+    # a GPU node too: CPU tensors go over the group's gloo side.
+    def fn():
+        cpu, gpu = torch.ones(3), torch.ones(3, device=rank_info().device)
+        dist.all_reduce(cpu)
+        dist.all_reduce(gpu)
+        return rank_info().backend, cpu.tolist(), gpu.tolist()
+
+    assert launch(fn, WORLD) == [("nccl", [float(WORLD)] * 3, [float(WORLD)] * 3)] * WORLD
+
+
 def test_more_ranks_than_gpus_nccl_refused_auto_falls_back_to_gloo():
     with pytest.raises(RuntimeError, match="one GPU per rank"):
         launch(print, GPUS + 1, backend="nccl")

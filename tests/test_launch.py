@@ -252,6 +252,33 @@ def test_same_code_runs_under_torchrun(tmp_path):
     assert out.stdout.count("GROUP_LEFT False") == 2, out.stdout
 
 
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_torchrun_processes_agree_on_the_backend(monkeypatch, local_rank):
+    # Two processes on a node with one GPU: both must choose gloo. Deciding
+    # from a process's own LOCAL_RANK gave rank 0 nccl and rank 1 gloo, and
+    # the job died at its first collective (seen on an H100 node).
+    chosen = []
+
+    def fake_init(backend, **kwargs):
+        chosen.append(backend)
+        raise SystemExit  # stop before any real group is made
+
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(SystemExit):
+        launch(print, 2)
+    assert chosen == ["gloo"]
+    with pytest.raises(RuntimeError, match="one GPU per rank"):
+        launch(print, 2, backend="nccl")  # asked for explicitly: refused by every process
+
+
 def test_every_launch_gets_a_fresh_group():
     def leave_a_mess():
         dist.new_group([0])            # a subgroup, left behind

@@ -117,8 +117,9 @@ def test_stages_equal_adamw_on_global_batch(world_size):
             assert res["ddp"] == 0.0, (stage, res["ddp"])
         else:
             # Gloo's reduce-scatter and all-reduce may sum 3-4 terms in
-            # different orders: rounding only.
-            assert res["ddp"] < 1e-6, (stage, res["ddp"])
+            # different orders: rounding only, the same 0.2% of a step as
+            # above (torch 2.11's gloo gave 1.04e-6 at 3 ranks).
+            assert res["ddp"] < 2e-6, (stage, res["ddp"])
     # every rank started from rank 0's frozen weights and buffers
     assert all(res["frozen_same"] for rr in results for res in rr.values())
     # fp32 state bytes on every rank, and communication volume per stage
