@@ -76,7 +76,12 @@ def _normalized(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
 def labs(check: bool, names: list[str] | None = None) -> int:
     """Regenerate (or, with check, compare) labs; ``names`` limits it to those notebooks."""
     stale = []
-    wanted = {pathlib.Path(n).name for n in names or []}
+    # "03_all_reduce_ring", "03_all_reduce_ring.ipynb" or "solutions/03_..." alike
+    wanted = {pathlib.Path(n).stem + ".ipynb" for n in names or []}
+    unknown = wanted - {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
+    if unknown:
+        print(f"no such solution notebook: {', '.join(sorted(unknown))}")
+        return 2
     for sol_path in sorted((ROOT / "solutions").glob("*.ipynb")):
         if wanted and sol_path.name not in wanted:
             continue
