@@ -286,30 +286,12 @@ def test_fit_recovers_alpha_beta():
         fit_alpha_beta([1], [1.0], 2)
 
 
-def _load_bench(name, monkeypatch):
-    """benchmarks/<name>.py as a module, its launch replaced by one that fails the test."""
-    import importlib.util
-    import pathlib
-
-    here = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(here))  # for its `from _args import ...`
-    spec = importlib.util.spec_from_file_location(name, here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    def no_launch(*a, **kw):
-        raise AssertionError("a rank was started before the arguments were checked")
-
-    monkeypatch.setattr(mod, "launch", no_launch)
-    return mod
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--iters", "0"], "--iters must be >= 1"), (["--ranks", "1"], "--ranks must be >= 2"),
     (["--max-mb", "0"], "--max-mb must be >= 1"), (["--backend", "mpi"], "invalid choice")])
-def test_bench_collectives_refuses_bad_arguments_before_starting_ranks(argv, message, capsys,
-                                                                       monkeypatch):
-    bench = _load_bench("bench_collectives", monkeypatch)
+def test_bench_collectives_refuses_bad_arguments_before_starting_ranks(
+        argv, message, capsys, load_bench):
+    bench = load_bench("bench_collectives")
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -363,31 +363,13 @@ def test_gradients_still_averaged_after_a_backward_that_raised():
         assert max(diffs) < 1e-6, diffs
 
 
-def _load_bench(name, monkeypatch):
-    """benchmarks/<name>.py as a module, its launch replaced by one that fails the test."""
-    import importlib.util
-    import pathlib
-
-    here = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(here))  # for its `from _args import ...`
-    spec = importlib.util.spec_from_file_location(name, here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    def no_launch(*a, **kw):
-        raise AssertionError("a rank was started before the arguments were checked")
-
-    monkeypatch.setattr(mod, "launch", no_launch)
-    return mod
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--size", "bogus"], "--size must be one of"), (["--steps", "0"], "--steps must be >= 2"),
     (["--cap-mb", "-1"], "--cap-mb must be >= 0"), (["--ranks", "1"], "--ranks must be >= 2"),
     (["--micro", "0"], "--micro must be >= 1"), (["--seq", "1000"], "--seq must be in")])
-def test_bench_ddp_refuses_bad_arguments_before_starting_ranks(argv, message, capsys,
-                                                               monkeypatch):
-    bench = _load_bench("bench_ddp", monkeypatch)
+def test_bench_ddp_refuses_bad_arguments_before_starting_ranks(
+        argv, message, capsys, load_bench):
+    bench = load_bench("bench_ddp")
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

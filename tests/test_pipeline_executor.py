@@ -277,20 +277,7 @@ def test_errors_before_any_rank_starts():
     (["--stages", "1"], "--stages must be >= 2"),
     (["--tries", "0"], "--tries must be >= 1"),
 ])
-def test_benchmark_refuses_bad_arguments_before_any_rank_starts(argv, message, monkeypatch):
-    import importlib.util
-    import pathlib
-    import sys
-    bench_dir = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(bench_dir))
-    spec = importlib.util.spec_from_file_location("bench_pipeline", bench_dir / "bench_pipeline.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-
-    def no_launch(*a, **k):
-        raise AssertionError("a rank was started before the arguments were checked")
-
-    monkeypatch.setattr(bench, "launch", no_launch)
+def test_benchmark_refuses_bad_arguments_before_any_rank_starts(argv, message, load_bench):
+    bench = load_bench("bench_pipeline")
     with pytest.raises(ValueError, match=message):
         bench.main(argv)
-    sys.modules.pop("_args", None)

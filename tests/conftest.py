@@ -1,0 +1,29 @@
+"""Shared fixtures."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def load_bench(monkeypatch):
+    """``load_bench("bench_ddp")``: benchmarks/bench_ddp.py as a module whose
+    ``launch`` fails the test, so argument checks are seen to come before any
+    rank starts."""
+    def load(name):
+        monkeypatch.syspath_prepend(str(BENCHMARKS))  # for its `from _args import ...`
+        monkeypatch.delitem(sys.modules, "_args", raising=False)
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+
+        def no_launch(*a, **kw):
+            raise AssertionError("a rank was started before the arguments were checked")
+
+        monkeypatch.setattr(mod, "launch", no_launch)
+        return mod
+    return load
