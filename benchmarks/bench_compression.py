@@ -51,13 +51,13 @@ def run(kind, size, seq, steps):
     return {"step": sorted(times[1:])[len(times[1:]) // 2], "sent": sent, "dense": dense}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     validate(args)
     kinds = ["fp32", "bf16", "top-k 1%", "PowerSGD 1", "PowerSGD 4", "PowerSGD 16",
              "PowerSGD 64"]

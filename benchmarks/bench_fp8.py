@@ -54,16 +54,16 @@ def timeit(fn, reps: int, device: str, warmup: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--reps", type=int, default=None,
                     help="calls per timed repeat (default 3 on CPU, 20 on CUDA)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if any(n < 16 or n % 16 for n in args.sizes):
         raise ValueError(f"--sizes must be multiples of 16 (cuBLAS FP8 GEMMs), got {args.sizes}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    reps = args.reps or (20 if device == "cuda" else 3)
+    reps = args.reps if args.reps is not None else (20 if device == "cuda" else 3)
     if reps < 1:
         raise ValueError(f"--reps must be >= 1, got {reps}")
     warmup = 10 if device == "cuda" else 2

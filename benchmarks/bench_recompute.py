@@ -18,6 +18,7 @@ import time
 import torch
 import torch.utils.checkpoint as tuc
 
+from _args import at_least, check_size_seq  # (benchmarks/ is on sys.path)
 from helpers.memory import SavedTensorCounter, cuda_peak_bytes
 from helpers.model import build_model
 from helpers.recompute import apply_recompute
@@ -31,12 +32,15 @@ def torch_full(model):
     return model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_size_seq(args.size, 1)
+    at_least(args, "batch", 1, "sequences per step")
+    at_least(args, "steps", 1, "timed steps after the warm-up")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     setups = {
         "none": lambda m: m,

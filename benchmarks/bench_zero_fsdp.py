@@ -110,12 +110,12 @@ def step_times(kinds, size, seq, steps):
             for k in kinds}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     validate(args)
 
     print(f"Per-rank model-state bytes, measured ({args.size}, bf16 mixed precision)")
