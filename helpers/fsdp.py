@@ -19,7 +19,9 @@ Only one or two units are ever full at a time, so the peak weight memory is a
 shard of everything plus the largest units, not the whole model. The root
 unit is gathered when the model's forward starts and kept until its
 gradients are reduced (its embedding is used first in forward and last in
-backward, as FSDP2 does for the root).
+backward, as FSDP2 does for the root). A reduce-scatter needs a full-size
+gradient buffer as input; at most one is kept in flight, and it is retired
+when the next unit's starts, so those buffers do not add up over the depth.
 
 FSDP never sees ``optimizer.step()``, so it cannot free the units there as
 ZeRO-3 does. A unit still gathered when a new forward starts from the root
@@ -236,6 +238,7 @@ class FSDP(nn.Module):
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._post_accumulate(u))
         self._callback_queued = False
+        self._rs_in_flight: _Unit | None = None  # the unit whose reduce-scatter may still run
         self._comm = {}
 
     # ------------------------------------------------------------ set-up
@@ -376,10 +379,12 @@ class FSDP(nn.Module):
         buf.div_(self.S * self.R)  # mean over every data-parallel rank
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)  # (padded / S,)
         self._count("reduce_scatter", buf.numel() * buf.element_size(), self.S)
+        self._retire_reduce_scatter()
         if self.S > 1:
             t0 = time.perf_counter()
             work = reduce_scatter(out, buf, group=self.shard_group, async_op=True)
             self._record_comm(work, f"reduce-scatter {u.name}", t0)
+            self._rs_in_flight = u
         else:
             out.copy_(buf)
             work = None
@@ -387,14 +392,27 @@ class FSDP(nn.Module):
         u.reduced = True
         self._free(u)
 
+    def _retire_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter still in flight (it had a whole unit's
+        backward to finish, so usually it has) and drop its full-size input.
+        Keeping every unit's input to the end of backward would hold the
+        whole model's gradients again; with one in flight at a time the
+        extra is one unit's, whatever the depth (FSDP2 does the same)."""
+        u, self._rs_in_flight = self._rs_in_flight, None
+        if u is None or u.reduce_state is None:
+            return
+        work, out, _ = u.reduce_state
+        if work is not None:
+            self._wait(work, f"reduce-scatter {u.name}")
+        u.reduce_state = (None, out, None)
+
     def _finish_backward(self) -> None:
         for u in self._all_units():
             if not u.reduced:  # parameters that got no gradient: reduce zeros
                 self._reduce(u)
+        self._retire_reduce_scatter()
         for u in self._all_units():
-            work, out, _ = u.reduce_state
-            if work is not None:
-                self._wait(work, f"reduce-scatter {u.name}")
+            _, out, _ = u.reduce_state  # every reduce-scatter has finished
             if self.R > 1:
                 t0 = time.perf_counter()
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
