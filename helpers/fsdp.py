@@ -167,6 +167,7 @@ class _Unit:
         self.pending = None  # async all-gather in flight (a prefetch)
         self.ready = 0       # parameters whose gradient arrived in this backward
         self.reduced = False
+        self.grad_chunk = None  # this rank's averaged gradient chunk, once reduced
 
 
 class FSDP(nn.Module):
@@ -238,7 +239,7 @@ class FSDP(nn.Module):
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._post_accumulate(u))
         self._callback_queued = False
-        self._rs_in_flight: _Unit | None = None  # the unit whose reduce-scatter may still run
+        self._rs_in_flight = None  # (unit name, work, full-size input) of the last reduce-scatter
         self._comm = {}
 
     # ------------------------------------------------------------ set-up
@@ -384,11 +385,10 @@ class FSDP(nn.Module):
             t0 = time.perf_counter()
             work = reduce_scatter(out, buf, group=self.shard_group, async_op=True)
             self._record_comm(work, f"reduce-scatter {u.name}", t0)
-            self._rs_in_flight = u
+            self._rs_in_flight = (u.name, work, buf)
         else:
             out.copy_(buf)
-            work = None
-        u.reduce_state = (work, out, buf)
+        u.grad_chunk = out  # filled once the reduce-scatter has finished
         u.reduced = True
         self._free(u)
 
@@ -398,13 +398,10 @@ class FSDP(nn.Module):
         Keeping every unit's input to the end of backward would hold the
         whole model's gradients again; with one in flight at a time the
         extra is one unit's, whatever the depth (FSDP2 does the same)."""
-        u, self._rs_in_flight = self._rs_in_flight, None
-        if u is None or u.reduce_state is None:
-            return
-        work, out, _ = u.reduce_state
-        if work is not None:
-            self._wait(work, f"reduce-scatter {u.name}")
-        u.reduce_state = (None, out, None)
+        if self._rs_in_flight is not None:
+            name, work, _ = self._rs_in_flight
+            self._wait(work, f"reduce-scatter {name}")
+            self._rs_in_flight = None  # the input buffer goes with it
 
     def _finish_backward(self) -> None:
         for u in self._all_units():
@@ -412,7 +409,7 @@ class FSDP(nn.Module):
                 self._reduce(u)
         self._retire_reduce_scatter()
         for u in self._all_units():
-            _, out, _ = u.reduce_state  # every reduce-scatter has finished
+            out = u.grad_chunk  # every reduce-scatter has finished
             if self.R > 1:
                 t0 = time.perf_counter()
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
@@ -423,7 +420,7 @@ class FSDP(nn.Module):
                 u.shard.grad = out
             else:
                 u.shard.grad.add_(out)  # gradient accumulation over backwards
-            u.ready, u.reduced, u.reduce_state = 0, False, None
+            u.ready, u.reduced, u.grad_chunk = 0, False, None
             self._free(u)  # (waits first for a prefetch nobody used)
         self._callback_queued = False
         self._comm_last, self._comm = self._comm, {}
