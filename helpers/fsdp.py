@@ -50,6 +50,12 @@ The optimizer is PyTorch's own: each unit's shard is an ``nn.Parameter``
 ``loss.backward()`` returns, so ``torch.optim.AdamW(fsdp.parameters())``
 updates exactly the elements this rank owns. Padding stays zero.
 
+Wrapping changes the model in place: its parameters become views into the
+units' (mostly freed) buffers and it carries FSDP's hooks. ``unwrap()`` removes
+every hook and gives each parameter its own tensor with the trained weights.
+Wrapping a model that is still wrapped (a notebook cell run twice) is refused:
+the old hooks would keep firing on the new wrapper's weights.
+
 How production differs: PyTorch's FSDP2 (``fully_shard``) shards each
 parameter separately as a DTensor along dim 0 (no flat buffer, so per-
 parameter optimizers and state dicts are easy), uses CUDA streams and events
@@ -63,6 +69,7 @@ one process group per role, no offload.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -141,6 +148,22 @@ def torch_fsdp2(model: nn.Module) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+_WRAPPED = "_helpers_fsdp_wrapper"  # set on a wrapped model: a weak reference to its FSDP
+
+
+def _refuse_if_wrapped(model: nn.Module) -> None:
+    """A second FSDP over a wrapped model (a re-run notebook cell) would stack
+    a second set of hooks on weights that are views into the first wrapper's
+    freed buffers: refuse, and say how to undo the first wrap."""
+    for name, m in model.named_modules():
+        ref = m.__dict__.get(_WRAPPED)
+        if ref is not None and ref() is not None:
+            what = f"its submodule {name!r}" if name else "this model"
+            raise ValueError(f"{what} is still wrapped by an earlier FSDP (its hooks and sharded "
+                             f"weights are in place, e.g. from an earlier run of this cell): call "
+                             f"unwrap() on that FSDP first, or build a fresh model")
+
+
 class _Unit:
     """One FSDP unit: its parameters, a flat full buffer and this rank's shard."""
 
@@ -186,6 +209,7 @@ class FSDP(nn.Module):
                  reshard_after_forward: bool = True, prefetch=True,
                  shard_group=None, replicate_group=None, timeline=None):
         super().__init__()
+        _refuse_if_wrapped(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
         if replicate_group is not None and shard_group is None:
@@ -230,14 +254,17 @@ class FSDP(nn.Module):
         self._shards = nn.ParameterList([u.shard for u in self._all_units()])
 
         # The model's own hooks first: its pre-forward runs before block 0's.
-        model.register_forward_pre_hook(self._root_pre_forward)
-        model.register_forward_hook(self._root_post_forward)
+        # Every handle is kept: unwrap() removes them all.
+        self._handles = [model.register_forward_pre_hook(self._root_pre_forward),
+                         model.register_forward_hook(self._root_post_forward)]
         for i, u in enumerate(self.units):
-            u.module.register_forward_pre_hook(self._pre_forward(i))
-            u.module.register_forward_hook(self._post_forward(i))
+            self._handles += [u.module.register_forward_pre_hook(self._pre_forward(i)),
+                              u.module.register_forward_hook(self._post_forward(i))]
         for u in self._all_units():
             for p in u.params:
-                p.register_post_accumulate_grad_hook(self._post_accumulate(u))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate(u)))
+        for m in [model] + [u.module for u in self.units]:  # refuse a second wrap (see unwrap)
+            m.__dict__[_WRAPPED] = weakref.ref(self)
         self._callback_queued = False
         self._rs_in_flight = None  # (unit name, work, full-size input) of the last reduce-scatter
         self._comm = {}
@@ -256,7 +283,29 @@ class FSDP(nn.Module):
         return self.units + ([self.root] if self.root is not None else [])
 
     def forward(self, *args, **kwargs):
+        if not self._handles:
+            raise RuntimeError("this FSDP was unwrapped: call the model itself")
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def unwrap(self) -> nn.Module:
+        """Undo the wrap: remove every hook and give each parameter of the model
+        its own tensor again, holding the current (trained) weights, with no
+        gradient. Returns the model, which trains on its own or can be wrapped
+        again. Collective (it all-gathers the shards)."""
+        full = self.full_parameters()
+        for name, p in self.module.named_parameters():
+            if name in full:
+                p.data = full[name]
+                p.grad = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for u in self._all_units():
+            self._free(u)
+        for m in [self.module] + [u.module for u in self.units]:
+            m.__dict__.pop(_WRAPPED, None)
+        return self.module
 
     def train(self, mode: bool = True):
         self.module.train(mode)

@@ -91,6 +91,8 @@ def _train(configs):
             full = {n: p.full_tensor() for n, p in model.named_parameters()}
         elif kind in ("ddp", "wrong-local"):
             full = dict(model.named_parameters())
+        elif kind == "unwrap":  # the model's own parameters again, trained
+            full = dict(wrapped.unwrap().named_parameters())
         else:
             full = wrapped.full_parameters()
         res = {n: full[n].detach() for n in ref}
@@ -131,11 +133,11 @@ def _check_against_single(results):
 
 @pytest.mark.slow
 def test_fsdp_two_ranks_equals_single_fsdp2_and_ddp():
-    results = launch(_train, 2, ["fsdp", "nopf", "keep", "fsdp2", "ddp", "wrong-local"],
-                     timeout=120)
+    results = launch(_train, 2, ["fsdp", "nopf", "keep", "fsdp2", "ddp", "unwrap",
+                                 "wrong-local"], timeout=120)
     _check_against_single(results)
     r0 = results[0]
-    for name in ("nopf", "keep", "fsdp2", "ddp"):
+    for name in ("nopf", "keep", "fsdp2", "ddp", "unwrap"):
         for n, p in r0["fsdp"]["params"].items():
             # Two ranks: the same arithmetic operation for operation. Each rank
             # runs the same kernels on the same shapes (every toy parameter has
@@ -218,6 +220,47 @@ def test_world_size_one_and_grid():
         FSDP(build_model("toy").requires_grad_(False))
     with pytest.raises(ValueError, match="hybrid"):
         FSDP(build_model("toy"), replicate_group=object())
+
+
+def _hooks(model):
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) + \
+        sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_rewrap_refused_until_unwrapped():
+    """Re-running a cell ``fsdp = FSDP(model)`` wraps the same model again. The
+    first wrapper's hooks would stay and its weights are views into freed
+    buffers: refused, naming the way out; ``unwrap()`` removes every hook and
+    gives the parameters their trained values back, so the model trains on."""
+    model, ref = build_model("toy", seed=0), build_model("toy", seed=0)
+    assert _hooks(model) == 0
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    f = FSDP(model)
+    with pytest.raises(ValueError, match="this model is still wrapped .* unwrap()"):
+        FSDP(model)
+    with pytest.raises(ValueError, match="still wrapped"):  # a unit of it, too
+        FSDP(model.blocks[0])
+    with pytest.raises(ValueError, match="submodule 'inner' is still wrapped"):
+        FSDP(torch.nn.ModuleDict({"inner": model}))
+
+    def train(m, params, steps):
+        opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+        for _ in range(steps):
+            m(x, x)[1].backward(); opt.step(); opt.zero_grad()
+    train(f, f.parameters(), 2)
+    assert f.unwrap() is model
+    assert _hooks(model) == 0 and all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="unwrapped"):
+        f(x, x)
+    train(model, model.parameters(), 1)   # on its own
+    f2 = FSDP(model)                      # and wrapped again
+    train(f2, f2.parameters(), 2)
+    for steps in (2, 1, 2):  # the reference: a fresh AdamW at the same points
+        train(ref, ref.parameters(), steps)
+    full = f2.full_parameters()
+    for n, p in ref.named_parameters():
+        assert torch.equal(full[n], p), n  # world size 1: bitwise (see above)
+    assert model.lm_head.weight is model.wte.weight  # the tie survives the unwrap
 
 
 # --------------------------------------------------------------------------
