@@ -15,6 +15,11 @@ A unit's life in one training step (sec. 3.2, Figure 3):
     backward:  all-gather again -> run its backward -> reduce-scatter the
                gradients (rank r gets the average of chunk r) -> free them
 
+"Its backward starts" is seen as the first gradient arriving at any of the
+unit's outputs: one multi-grad hook (``register_multi_grad_hook``, mode
+"any") over every tensor of the output pytree, so a unit may return a tuple,
+as ``nn.MultiheadAttention`` does, or any nesting of tensors.
+
 Only one or two units are ever full at a time, so the peak weight memory is a
 shard of everything plus the largest units, not the whole model. The root
 unit is gathered when the model's forward starts and kept until its
@@ -75,6 +80,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 
 from helpers.overlap import record_comm, wait_comm
 from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
@@ -387,8 +394,15 @@ class FSDP(nn.Module):
                 self.timeline.add("compute", f"forward {u.name}", u.t_fwd, time.perf_counter())
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)
-            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda grad: self._pre_backward(i))
+            if torch.is_grad_enabled():
+                # Any pytree of outputs (nn.MultiheadAttention returns a tuple):
+                # one hook over every output that backward can reach, fired by
+                # the first of their gradients to arrive (FSDP2 does the same).
+                outs = [t for t in tree_flatten(out)[0]
+                        if isinstance(t, torch.Tensor) and t.requires_grad]
+                if outs:
+                    register_multi_grad_hook(outs, lambda grad: self._pre_backward(i),
+                                             mode="any")
             return None
         return hook
 

@@ -263,6 +263,65 @@ def test_rewrap_refused_until_unwrapped():
     assert model.lm_head.weight is model.wte.weight  # the tie survives the unwrap
 
 
+class TupleNet(torch.nn.Module):
+    """Units that return a tuple: two nn.MultiheadAttention layers, (out, weights)."""
+
+    def __init__(self, vocab=64, dim=32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.attn = torch.nn.ModuleList(torch.nn.MultiheadAttention(dim, 2, batch_first=True)
+                                        for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)                                   # (B, T, D)
+        out, w = self.attn[0](h, h, h)                    # (B, T, D), (B, T, T)
+        h = h + out + w.mean(-1, keepdim=True)            # both outputs reach the loss
+        out, none = self.attn[1](h, h, h, need_weights=False)  # (B, T, D), None
+        logits = self.head(h + out)
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _train_tuple_net(kind, steps=3):
+    """TupleNet, each attention layer an FSDP unit, or under BucketedDDP, or alone;
+    this rank's slice of a global batch of 4; the weights after ``steps`` steps."""
+    r = rank_info()
+    torch.manual_seed(0)
+    model = TupleNet()
+    g = torch.Generator().manual_seed(1)
+    B = 4 // r.world_size
+    if kind == "fsdp":
+        wrapped = FSDP(model, policy=lambda m: isinstance(m, torch.nn.MultiheadAttention))
+        params = wrapped.parameters()
+    else:
+        wrapped = BucketedDDP(model) if kind == "ddp" else model
+        params = model.parameters()
+    opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (4, 8), generator=g)
+        sl = slice(r.rank * B, (r.rank + 1) * B)
+        wrapped(x[sl], x[sl].roll(1, 1))[1].backward(); opt.step(); opt.zero_grad()
+    if kind == "fsdp":
+        assert [u.name for u in wrapped.units] == ["attn.0", "attn.1"]
+        return wrapped.full_parameters()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_units_that_return_a_tuple():
+    """The gather before a unit's backward hangs on its outputs' gradients:
+    with a tuple (or any pytree) of outputs, one hook over all of them. Without
+    it the unit's backward reads freed weights ("setStorage ... size 0")."""
+    ref = _train_tuple_net("single")
+    got = _train_tuple_net("fsdp")
+    for n, p in ref.items():
+        assert torch.equal(got[n], p), n  # world size 1: same arithmetic (see above)
+    # 2 ranks against DDP: a + b, exact halving, same kernels: bitwise (see above)
+    ddp, fsdp = (launch(_train_tuple_net, 2, k, timeout=120)[0] for k in ("ddp", "fsdp"))
+    for n, p in ddp.items():
+        assert torch.equal(fsdp[n], p), n
+    assert max((ddp[n] - ref[n]).abs().max().item() for n in ref) > 0  # the data did split
+
+
 # --------------------------------------------------------------------------
 # Peak memory, measured from the tensors each rank holds.
 # --------------------------------------------------------------------------
