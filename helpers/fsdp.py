@@ -5,7 +5,13 @@ FSDP: Experiences on Scaling Fully Sharded Data Parallel", sec. 3). A wrap
 policy picks modules (here: each transformer ``Block``); each becomes a unit
 whose parameters are flattened into one buffer, padded to a multiple of the
 shard group size, and sharded: rank r keeps chunk r. Whatever the policy did
-not pick forms the *root* unit (embeddings, final LayerNorm, head).
+not pick forms the *root* unit (embeddings, final LayerNorm, head). A weight
+shared between two units, or between a unit and the root's own modules (a
+tied embedding and head under a policy that picks the embedding), is given to
+the root, their common ancestor, as FSDP does: the root stays gathered for
+the whole step, so no user of the weight finds it freed. (Sharing is seen
+through registration: a module that reads another's weight without
+registering it is not detected.)
 
 A unit's life in one training step (sec. 3.2, Figure 3):
 
@@ -249,10 +255,19 @@ class FSDP(nn.Module):
             if any(name.startswith(n + ".") for n, _ in picked):
                 continue  # nested inside an already picked unit
             picked.append((name, m))
+        # A parameter registered under several names (a tied embedding and head)
+        # belongs to a unit only if every name lies inside it; one shared by two
+        # units, or by a unit and the root's own modules, goes to their common
+        # ancestor, the root (as FSDP does): the root stays gathered for the
+        # whole step, so neither user reads it freed.
+        names: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
         self.units: list[_Unit] = []
         with torch.no_grad():
             for name, m in picked:
-                ps = [p for p in m.parameters() if p.requires_grad and id(p) not in taken]
+                ps = [p for p in m.parameters() if p.requires_grad and id(p) not in taken
+                      and all(n.startswith(name + ".") for n in names[id(p)])]
                 taken.update(id(p) for p in ps)
                 if ps:
                     self.units.append(self._make_unit(name, m, ps))

@@ -20,7 +20,7 @@ from helpers import launch, rank_info
 from helpers.data import make_dataset
 from helpers.ddp import BucketedDDP
 from helpers.fsdp import FSDP, hybrid_grid, hybrid_groups, torch_fsdp2
-from helpers.model import build_model
+from helpers.model import Block, build_model
 from helpers.overlap import Timeline
 
 LR, STEPS, B = 1e-3, 3, 2
@@ -71,6 +71,8 @@ def _train(configs):
             if kind == "hybrid":
                 sg, rg = hybrid_groups(2)
                 kw = dict(shard_group=sg, replicate_group=rg)
+            if kind == "tied":  # wte (tied to the root's lm_head) and wpe picked as units too
+                kw = dict(policy=lambda m: isinstance(m, (Block, torch.nn.Embedding)))
             wrapped = FSDP(model, timeline=tl, **kw)
             params = wrapped.parameters()
         opt = torch.optim.AdamW(params, lr=LR, foreach=False)
@@ -101,7 +103,8 @@ def _train(configs):
             comm=getattr(wrapped, "comm_bytes", dict)(),
             peak=getattr(wrapped, "peak_gathered_bytes", None),
             shard=getattr(wrapped, "sharded_numel", lambda: None)(),
-            lanes={e["lane"] for e in tl.events}, held_after_eval=held_after_eval)
+            lanes={e["lane"] for e in tl.events}, held_after_eval=held_after_eval,
+            units=[(u.name, len(u.params)) for u in getattr(wrapped, "_all_units", list)()])
     return out
 
 
@@ -133,11 +136,14 @@ def _check_against_single(results):
 
 @pytest.mark.slow
 def test_fsdp_two_ranks_equals_single_fsdp2_and_ddp():
-    results = launch(_train, 2, ["fsdp", "nopf", "keep", "fsdp2", "ddp", "unwrap",
+    results = launch(_train, 2, ["fsdp", "nopf", "keep", "fsdp2", "ddp", "unwrap", "tied",
                                  "wrong-local"], timeout=120)
     _check_against_single(results)
     r0 = results[0]
-    for name in ("nopf", "keep", "fsdp2", "ddp", "unwrap"):
+    # A weight shared by two units (the policy picks wte, whose weight the
+    # root's lm_head shares) goes to the root; wpe is a unit of its own.
+    assert r0["tied"]["units"] == [("wpe", 1), ("blocks.0", 12), ("blocks.1", 12), ("root", 3)]
+    for name in ("nopf", "keep", "fsdp2", "ddp", "unwrap", "tied"):
         for n, p in r0["fsdp"]["params"].items():
             # Two ranks: the same arithmetic operation for operation. Each rank
             # runs the same kernels on the same shapes (every toy parameter has
