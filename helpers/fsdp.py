@@ -59,7 +59,9 @@ groups from one rank grid of shape (replicate, shard).
 The optimizer is PyTorch's own: each unit's shard is an ``nn.Parameter``
 (``FSDP.parameters()``) whose ``.grad`` is the averaged gradient chunk when
 ``loss.backward()`` returns, so ``torch.optim.AdamW(fsdp.parameters())``
-updates exactly the elements this rank owns. Padding stays zero.
+updates exactly the elements this rank owns. Padding stays zero. Clip with
+``fsdp.clip_grad_norm_(max_norm)``, not torch's: the norm of the whole
+gradient needs every rank's chunks (one all-reduce of the squared norms).
 
 Wrapping changes the model in place: its parameters become views into the
 units' (mostly freed) buffers and it carries FSDP's hooks. ``unwrap()`` removes
@@ -505,6 +507,40 @@ class FSDP(nn.Module):
 
     def _count(self, op, nbytes, n):
         self._comm[op] = self._comm.get(op, 0.0) + ring_bytes_sent(op, nbytes, n)
+
+    # ------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient so that the whole model's gradient has L2 norm
+        at most ``max_norm``; return the norm before clipping. The same as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on
+        one process; call it between ``backward()`` and ``optimizer.step()``.
+        Collective.
+
+        Rank r holds only chunk r of each unit's gradient, so torch's version
+        over ``fsdp.parameters()`` would clip each rank by the norm of its own
+        chunks: ranks would clip by different factors. Here each rank sums the
+        squares of its chunks, one all-reduce over the shard group adds them
+        (replicate groups hold copies of the same chunks: counted once), and
+        every rank takes the same factor, ``max_norm / (norm + 1e-6)`` capped
+        at 1 (torch's formula; the 1e-6 keeps a zero gradient finite).
+        Padding is zero, so it adds nothing.
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        grads = [u.shard.grad for u in self._all_units() if u.shard.grad is not None]
+        device = self._all_units()[0].shard.device
+        # squares summed in fp32 even if a gradient is lower precision (as torch does)
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        if self.S > 1:
+            dist.all_reduce(sq, group=self.shard_group)
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm
 
     # ------------------------------------------------------------ inspection
     def comm_bytes(self) -> dict[str, float]:

@@ -195,6 +195,8 @@ def test_fsdp_three_and_four_ranks_and_hybrid():
     _check_against_single(launch(_train, 3, ["fsdp"], timeout=120))
     results = launch(_train, 4, ["fsdp", "hybrid"], timeout=120)
     _check_against_single(results)
+    for rank_res in launch(_train_clip, 4, True, timeout=120):  # hybrid: shard group of 2
+        _check_clip(rank_res)
     # hybrid: shards over 2 ranks, so each rank holds twice the shard of full sharding
     assert results[0]["hybrid"]["shard"] == pytest.approx(2 * results[0]["fsdp"]["shard"], rel=1e-2)
     for name in ("fsdp", "hybrid"):  # every rank ends with the same weights
@@ -326,6 +328,73 @@ def test_units_that_return_a_tuple():
     for n, p in ddp.items():
         assert torch.equal(fsdp[n], p), n
     assert max((ddp[n] - ref[n]).abs().max().item() for n in ref) > 0  # the data did split
+
+
+MAX_NORM, SGD_LR = 0.5, 0.1
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _train_clip(hybrid=False):
+    """STEPS steps of SGD with the gradient clipped to MAX_NORM: one process
+    (torch's clip_grad_norm_, fp32 and fp64), FSDP.clip_grad_norm_, and the
+    plausible wrong answer, torch's clip over this rank's shards. SGD, not
+    AdamW: AdamW's first step is blind to a gradient's scale, SGD's update is
+    the clipped gradient itself, so a wrong clipping factor shows at once."""
+    r = rank_info()
+    N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
+    ds = make_dataset(num_sequences=64, seq_len=16)
+    batches = [ds.batch(list(range(s * B * N, (s + 1) * B * N))) for s in range(STEPS)]
+    out = {}
+    for kind in ("single32", "single64", "fsdp", "wrong-local-norm"):
+        model = build_model("toy", seed=0)
+        if kind.startswith("single"):
+            wrapped = model = model.to(torch.float64 if kind == "single64" else torch.float32)
+            params = list(model.parameters())
+            clip = lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM)  # noqa: E731
+            sl = slice(None)
+        else:
+            kw = dict(zip(("shard_group", "replicate_group"), hybrid_groups(2))) if hybrid else {}
+            wrapped = FSDP(model, **kw)
+            params = list(wrapped.parameters())
+            clip = (lambda: wrapped.clip_grad_norm_(MAX_NORM)) if kind == "fsdp" else \
+                (lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
+            sl = slice(lo, hi)
+        opt = torch.optim.SGD(params, lr=SGD_LR)
+        norms = []
+        for x, y in batches:
+            wrapped(x[sl], y[sl])[1].backward()
+            norms.append(clip().item())
+            opt.step(); opt.zero_grad()
+        full = wrapped.full_parameters() if isinstance(wrapped, FSDP) else \
+            dict(model.named_parameters())
+        out[kind] = dict(params={n: p.detach() for n, p in full.items()}, norms=norms)
+    return out
+
+
+def _check_clip(res):
+    ref32, ref64 = res["single32"], res["single64"]
+    # every step clips (else the test would not test clipping)
+    assert min(res["fsdp"]["norms"]) > 2 * MAX_NORM, res["fsdp"]["norms"]
+    # The norm before clipping, step 1 (same weights everywhere): the gradients
+    # differ by fp32 rounding (bounded as the weights are, by the single fp32
+    # process's own distance from fp64), plus each side's fp32 sum of ~13k
+    # squares, pairwise: at most ~log2(13k) = 14 ulps relative each.
+    n64 = ref64["norms"][0]
+    slack = 4 * abs(ref32["norms"][0] - n64) + 2 * 14 * EPS32 * n64
+    assert abs(res["fsdp"]["norms"][0] - n64) <= slack, (res["fsdp"]["norms"][0], n64)
+    # the weights after STEPS clipped steps: as in _check_against_single
+    floor = _err(ref32["params"], ref64["params"])
+    assert floor < 0.05 * SGD_LR * MAX_NORM, floor  # rounding, far below one clipped step
+    assert _err(res["fsdp"]["params"], ref64["params"]) <= 4 * floor
+    # torch's clip over the shards: each rank clips by its own chunks' norm
+    assert _err(res["wrong-local-norm"]["params"], ref64["params"]) > 4 * floor
+
+
+def test_clip_grad_norm_equals_one_process():
+    for rank_res in launch(_train_clip, 2, timeout=120):
+        _check_clip(rank_res)
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        FSDP(build_model("toy")).clip_grad_norm_(0.0)
 
 
 # --------------------------------------------------------------------------
