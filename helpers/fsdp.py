@@ -62,6 +62,28 @@ The optimizer is PyTorch's own: each unit's shard is an ``nn.Parameter``
 updates exactly the elements this rank owns. Padding stays zero. Clip with
 ``fsdp.clip_grad_norm_(max_norm)``, not torch's: the norm of the whole
 gradient needs every rank's chunks (one all-reduce of the squared norms).
+The model's own parameters get no ``.grad``: ``sharded_grads()`` gives each
+parameter's gradient as this rank holds it, a 1-D view into the shard's
+gradient covering the part of the flattened parameter in this rank's chunk
+(FSDP1's ``use_orig_params`` views; FSDP2 gives a DTensor sharded along dim
+0); ``full_grads()`` all-gathers them into full shapes, for inspection.
+
+**Mixed precision** (FSDP2's ``MixedPrecisionPolicy``; Micikevicius et al.
+2018, "Mixed Precision Training", sec. 3.1): with ``param_dtype=torch.bfloat16``
+the shards stay fp32, the master weights the optimizer updates, and each
+gather first rounds this rank's chunk to bf16: half the bytes on the wire,
+and the unit's forward and backward run in bf16 (floating-point inputs of the
+root and of each unit are cast to bf16, as FSDP2's ``cast_forward_inputs``).
+``reduce_dtype=torch.float32`` reduce-scatters the bf16 gradients in fp32, so
+the sum over ranks loses nothing more; None reduces in bf16. The reduced
+chunk becomes the fp32 shard's gradient.
+
+**Ignored parameters** (``ignored_params``, as FSDP's): left out of every
+unit, so they stay full and replicated on every rank, as under DDP: rank 0's
+values are broadcast at construction, their gradients all-reduced and
+averaged when backward ends, and ``fsdp.parameters()`` yields them next to
+the shards. Meant for a few small tensors (norms) or anything that must not
+be sharded; they keep their own dtype under a mixed-precision policy.
 
 Wrapping changes the model in place: its parameters become views into the
 units' (mostly freed) buffers and it carries FSDP's hooks. ``unwrap()`` removes
@@ -72,31 +94,31 @@ the old hooks would keep firing on the new wrapper's weights.
 How production differs: PyTorch's FSDP2 (``fully_shard``) shards each
 parameter separately as a DTensor along dim 0 (no flat buffer, so per-
 parameter optimizers and state dicts are easy), uses CUDA streams and events
-so gathers really run beside compute, supports mixed-precision policies, CPU
-offload, and copies-in / copies-out with fused kernels. FSDP1 used flat
-parameters like this module. Here: the units keep the parameters' dtype and
-device (CPU with gloo, the rank's GPU with nccl), no mixed-precision policy,
-one process group per role, no offload.
+so gathers really run beside compute, offloads to CPU, and copies in and
+out with fused kernels. FSDP1 used flat parameters like this module. Here:
+units live on the parameters' device (CPU with gloo, the rank's GPU with
+nccl), one process group per role, no offload, no ``output_dtype``; ignored
+parameters are averaged synchronously at the end of backward, unbucketed.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from helpers.overlap import record_comm, wait_comm
 from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
                           reduce_scatter, ring_bytes_sent)
 
-__all__ = ["FSDP", "hybrid_grid", "hybrid_groups", "block_policy", "next_unit_prefetch",
-           "torch_fsdp2"]
+__all__ = ["FSDP", "GradShard", "hybrid_grid", "hybrid_groups", "block_policy",
+           "next_unit_prefetch", "torch_fsdp2"]
 
 
 def block_policy(module: nn.Module) -> bool:
@@ -144,9 +166,11 @@ def hybrid_groups(shard_size: int):
     return mine_shard, mine_rep
 
 
-def torch_fsdp2(model: nn.Module) -> nn.Module:
+def torch_fsdp2(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     """PyTorch's FSDP2, the course's yardstick: ``fully_shard`` on each block,
     then on the root (the same units as ``FSDP`` with ``block_policy``).
+    Keyword arguments go to every ``fully_shard`` call (e.g. ``mp_policy=
+    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``).
 
     The mesh is built on the device type of this rank's tensors. Left to
     itself FSDP2 takes the machine's accelerator, so on a GPU node whose ranks
@@ -159,8 +183,15 @@ def torch_fsdp2(model: nn.Module) -> nn.Module:
     device_type = next(model.parameters()).device.type
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for blk in model.blocks:
-        fully_shard(blk, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(blk, mesh=mesh, **fully_shard_kwargs)
+    return fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+
+
+class GradShard(NamedTuple):
+    """This rank's part of one parameter's gradient (``FSDP.sharded_grads``):
+    elements ``[start, start + grad.numel())`` of the flattened gradient."""
+    start: int
+    grad: torch.Tensor | None
 
 
 _WRAPPED = "_helpers_fsdp_wrapper"  # set on a wrapped model: a weak reference to its FSDP
@@ -218,12 +249,20 @@ class FSDP(nn.Module):
     communication spans. ``prefetch``: True (``next_unit_prefetch``), False, or
     your own ``fn(fsdp, i, phase)`` called right after unit i is gathered
     (``phase`` "forward" or "backward"; i = -1: the root, before block 0).
+    ``param_dtype`` / ``reduce_dtype``: the mixed-precision policy (None: the
+    parameters' own dtype). ``ignored_params``: parameters left unsharded and
+    replicated, their gradients averaged as DDP does.
     """
 
     def __init__(self, model: nn.Module, policy: Callable[[nn.Module], bool] = block_policy,
                  reshard_after_forward: bool = True, prefetch=True,
-                 shard_group=None, replicate_group=None, timeline=None):
+                 shard_group=None, replicate_group=None, timeline=None,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 ignored_params=None):
         super().__init__()
+        for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise ValueError(f"{what} must be a floating-point torch.dtype or None, got {dt!r}")
         _refuse_if_wrapped(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
@@ -239,6 +278,11 @@ class FSDP(nn.Module):
         self.prefetch = next_unit_prefetch if prefetch is True else prefetch or None
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.timeline = timeline
+        # Mixed precision (FSDP2's MixedPrecisionPolicy): units are gathered and
+        # computed in param_dtype, gradients reduced in reduce_dtype (None: in
+        # the gradient's own dtype, param_dtype), shards stay in the parameters'
+        # dtype: the fp32 master weights the optimizer updates.
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         on = dist.is_available() and dist.is_initialized()
         self.S = dist.get_world_size(shard_group) if on else 1
         self.R = dist.get_world_size(replicate_group) if on and replicate_group else 1
@@ -251,6 +295,13 @@ class FSDP(nn.Module):
         # Units: policy-picked modules (outermost first, in registration order =
         # forward order for a GPT), then the root with everything left over.
         picked, taken = [], set()
+        owned = {id(p) for p in model.parameters()}
+        ignored = list({id(p): p for p in ignored_params or []}.values())
+        for p in ignored:
+            if id(p) not in owned:
+                raise ValueError(f"ignored_params: a parameter of shape {tuple(p.shape)} is not "
+                                 f"a parameter of the model")
+        taken.update(id(p) for p in ignored)  # never sharded (see _average_ignored)
         for name, m in model.named_modules():
             if m is model or not policy(m):
                 continue
@@ -276,13 +327,22 @@ class FSDP(nn.Module):
             rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
             self.root = self._make_unit("root", model, rest) if rest else None
         self._shards = nn.ParameterList([u.shard for u in self._all_units()])
+        # Ignored parameters: the model's own full tensors, replicated as in DDP
+        # (rank 0's values to start, gradients averaged after backward).
+        self._ignored = nn.ParameterList(ignored)
+        if on and dist.get_world_size() > 1:
+            with torch.no_grad():
+                for p in ignored:
+                    dist.broadcast(p.data, src=0)
 
         # The model's own hooks first: its pre-forward runs before block 0's.
         # Every handle is kept: unwrap() removes them all.
-        self._handles = [model.register_forward_pre_hook(self._root_pre_forward),
+        self._handles = [model.register_forward_pre_hook(self._root_pre_forward,
+                                                         with_kwargs=True),
                          model.register_forward_hook(self._root_post_forward)]
         for i, u in enumerate(self.units):
-            self._handles += [u.module.register_forward_pre_hook(self._pre_forward(i)),
+            self._handles += [u.module.register_forward_pre_hook(self._pre_forward(i),
+                                                                 with_kwargs=True),
                               u.module.register_forward_hook(self._post_forward(i))]
         for u in self._all_units():
             for p in u.params:
@@ -300,6 +360,11 @@ class FSDP(nn.Module):
             dist.broadcast(u.full, src=0)  # same start on every rank
         c = u.bucket.chunk
         u.shard.data.copy_(u.full[u.rank * c:(u.rank + 1) * c])
+        if self.param_dtype not in (None, u.shard.dtype):
+            # the gathered buffer, and so every parameter view, in param_dtype
+            u.full = torch.empty(u.full.numel(), dtype=self.param_dtype, device=u.full.device)
+            for p, off in zip(u.params, u.bucket.offsets):
+                p.data = u.full[off:off + p.numel()].view(p.shape)
         _free(u.full)
         return u
 
@@ -350,10 +415,13 @@ class FSDP(nn.Module):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
         self._count("all_gather", nbytes, self.S)
         if self.S == 1:
-            u.full.copy_(u.shard.detach())
+            u.full.copy_(u.shard.detach())  # (casts to param_dtype)
             return
+        # (padded / S,) this rank's chunk, cast to param_dtype first: half the
+        # bytes on the wire in bf16. Kept on the unit until the gather is done.
+        u.gather_input = u.shard.detach().to(u.full.dtype)
         t0 = time.perf_counter()
-        work = all_gather(u.full, u.shard.detach(), group=self.shard_group, async_op=True)
+        work = all_gather(u.full, u.gather_input, group=self.shard_group, async_op=True)
         self._record_comm(work, f"all-gather {u.name}", t0)
         if async_op:
             u.pending = work
@@ -379,7 +447,15 @@ class FSDP(nn.Module):
         record_comm(self.timeline, work, name, t0)
 
     # ------------------------------------------------------------ hooks
-    def _root_pre_forward(self, module, args):
+    def _cast_inputs(self, args, kwargs):
+        """Floating-point inputs to param_dtype, as FSDP2's cast_forward_inputs."""
+        if self.param_dtype is None:
+            return None
+        cast = lambda t: t.to(self.param_dtype) if isinstance(t, torch.Tensor) \
+            and t.is_floating_point() else t  # noqa: E731
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_pre_forward(self, module, args, kwargs):
         # Whatever is still gathered is left over from a forward without backward
         # (see the module docstring): possibly older than the shards. Start clean.
         for u in self._all_units():
@@ -388,6 +464,7 @@ class FSDP(nn.Module):
             self._gather(self.root)
         if self.prefetch is not None:
             self.prefetch(self, -1, "forward")
+        return self._cast_inputs(args, kwargs)
 
     def _root_post_forward(self, module, args, out):
         if not torch.is_grad_enabled():  # no backward will follow: nothing stays gathered
@@ -395,13 +472,14 @@ class FSDP(nn.Module):
                 self._free(u)
 
     def _pre_forward(self, i):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             u = self.units[i]
             self._gather(u)
             if self.prefetch is not None:
                 self.prefetch(self, i, "forward")
             if self.timeline is not None:
                 u.t_fwd = time.perf_counter()
+            return self._cast_inputs(args, kwargs)
         return hook
 
     def _post_forward(self, i):
@@ -451,8 +529,10 @@ class FSDP(nn.Module):
         if self.timeline is not None and hasattr(u, "t_bwd"):
             self.timeline.add("compute", f"backward {u.name}", u.t_bwd, time.perf_counter())
         b = u.bucket
-        # (padded,) on the unit's device and dtype; padding stays 0
-        buf = torch.zeros(b.padded, dtype=u.shard.dtype, device=u.shard.device)
+        # (padded,) on the unit's device, in reduce_dtype (default: the
+        # gradients' dtype, that of the gathered weights); padding stays 0
+        buf = torch.zeros(b.padded, dtype=self.reduce_dtype or u.full.dtype,
+                          device=u.shard.device)
         for p, off in zip(u.params, b.offsets):
             if p.grad is not None:
                 buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -496,14 +576,32 @@ class FSDP(nn.Module):
                 self._record_comm(work, f"all-reduce {u.name}", t0)
                 self._wait(work, f"all-reduce {u.name}")
                 self._count("all_reduce", out.numel() * out.element_size(), self.R)
+            out = out.to(u.shard.dtype)  # the master weights' dtype (a no-op in fp32)
             if u.shard.grad is None:
                 u.shard.grad = out
             else:
                 u.shard.grad.add_(out)  # gradient accumulation over backwards
             u.ready, u.reduced, u.grad_chunk = 0, False, None
             self._free(u)  # (waits first for a prefetch nobody used)
+        self._average_ignored()
         self._callback_queued = False
         self._comm_last, self._comm = self._comm, {}
+
+    def _average_ignored(self) -> None:
+        """DDP for the ignored parameters: all-reduce each full gradient and
+        divide by the number of data-parallel ranks (no bucketing or overlap:
+        they are meant to be few and small). A parameter that got no gradient
+        on this rank contributes zeros, so every rank calls every all-reduce."""
+        for p in self._ignored:
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(self.S * self.R)
+            for group, n in ((self.shard_group, self.S), (self.replicate_group, self.R)):
+                if n > 1:
+                    dist.all_reduce(p.grad, group=group)
+                    self._count("all_reduce", p.grad.numel() * p.grad.element_size(), n)
 
     def _count(self, op, nbytes, n):
         self._comm[op] = self._comm.get(op, 0.0) + ring_bytes_sent(op, nbytes, n)
@@ -529,13 +627,19 @@ class FSDP(nn.Module):
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         grads = [u.shard.grad for u in self._all_units() if u.shard.grad is not None]
-        device = self._all_units()[0].shard.device
+        device = next(self.parameters()).device
         # squares summed in fp32 even if a gradient is lower precision (as torch does)
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         if self.S > 1:
             dist.all_reduce(sq, group=self.shard_group)
+        # ignored parameters are replicated, their averaged gradient the same on
+        # every rank: counted once, after the all-reduce
+        ignored = [p.grad for p in self._ignored if p.grad is not None]
+        for g in ignored:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        grads += ignored
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -552,6 +656,52 @@ class FSDP(nn.Module):
     def sharded_numel(self) -> int:
         return sum(u.shard.numel() for u in self._all_units())
 
+    def sharded_grads(self) -> dict[str, "GradShard"]:
+        """Each parameter's gradient as this rank holds it after backward: the
+        slice ``[start, start + grad.numel())`` of the flattened parameter that
+        falls in this rank's chunk, as a 1-D *view* into its unit's
+        ``shard.grad`` (in the shards' dtype: fp32 master gradients under mixed
+        precision). Writing into a view changes what the optimizer sees. This
+        is FSDP1's ``use_orig_params=True`` view; FSDP2 gives each parameter a
+        DTensor gradient sharded along dim 0 instead. A slice may be empty (the
+        parameter lies in other ranks' chunks); ignored parameters give their
+        whole (averaged, replicated) gradient. ``grad`` is None before the
+        first backward and after ``zero_grad()``. Not collective."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = {}
+        for p in self._ignored:
+            g = None if p.grad is None else p.grad.view(-1)
+            out[names[id(p)]] = GradShard(0, g)
+        for u in self._all_units():
+            c = u.bucket.chunk
+            lo_mine, hi_mine = u.rank * c, (u.rank + 1) * c  # this rank's part of the flat buffer
+            for p, off in zip(u.params, u.bucket.offsets):
+                lo = min(max(off, lo_mine), off + p.numel())  # this parameter's elements
+                hi = max(min(off + p.numel(), hi_mine), lo)  # in the chunk (maybe none)
+                g = None if u.shard.grad is None else u.shard.grad[lo - lo_mine:hi - lo_mine]
+                out[names[id(p)]] = GradShard(lo - off, g)
+        return out
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's averaged gradient, full shape, in the shards' dtype:
+        an all-gather of each unit's ``shard.grad`` into fresh tensors (for
+        inspection and tests; the training state is not touched). Collective."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = {names[id(p)]: p.grad.detach().clone() for p in self._ignored
+               if p.grad is not None}
+        for u in self._all_units():
+            if u.shard.grad is None:
+                continue
+            full = torch.empty(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
+            if self.S > 1:
+                all_gather(full, u.shard.grad.detach(), group=self.shard_group)
+            else:
+                full.copy_(u.shard.grad)
+            for p, off in zip(u.params, u.bucket.offsets):
+                out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
+        return out
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, full, from the current shards (an all-gather of each
@@ -559,8 +709,11 @@ class FSDP(nn.Module):
         ``comm_bytes()`` does not count it). Collective."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {}
+        for p in self._ignored:
+            out[names[id(p)]] = p.detach().clone()
         for u in self._all_units():
-            full = torch.empty_like(u.full)  # (padded,)
+            # (padded,) in the shards' (master) dtype, whatever param_dtype is
+            full = torch.empty(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
             if self.S > 1:
                 all_gather(full, u.shard.detach(), group=self.shard_group)
             else:

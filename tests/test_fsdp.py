@@ -73,6 +73,9 @@ def _train(configs):
                 kw = dict(shard_group=sg, replicate_group=rg)
             if kind == "tied":  # wte (tied to the root's lm_head) and wpe picked as units too
                 kw = dict(policy=lambda m: isinstance(m, (Block, torch.nn.Embedding)))
+            if kind == "ignored":  # LayerNorms replicated, DDP-style
+                kw = dict(ignored_params=[p for n, p in model.named_parameters() if ".ln" in n
+                                          or n.startswith("ln")])
             wrapped = FSDP(model, timeline=tl, **kw)
             params = wrapped.parameters()
         opt = torch.optim.AdamW(params, lr=LR, foreach=False)
@@ -104,7 +107,9 @@ def _train(configs):
             peak=getattr(wrapped, "peak_gathered_bytes", None),
             shard=getattr(wrapped, "sharded_numel", lambda: None)(),
             lanes={e["lane"] for e in tl.events}, held_after_eval=held_after_eval,
-            units=[(u.name, len(u.params)) for u in getattr(wrapped, "_all_units", list)()])
+            units=[(u.name, len(u.params)) for u in getattr(wrapped, "_all_units", list)()],
+            # ignored parameters keep their own full storage: bytes of each
+            ignored_bytes=[p.untyped_storage().nbytes() for p in getattr(wrapped, "_ignored", [])])
     return out
 
 
@@ -137,13 +142,18 @@ def _check_against_single(results):
 @pytest.mark.slow
 def test_fsdp_two_ranks_equals_single_fsdp2_and_ddp():
     results = launch(_train, 2, ["fsdp", "nopf", "keep", "fsdp2", "ddp", "unwrap", "tied",
-                                 "wrong-local"], timeout=120)
+                                 "ignored", "wrong-local"], timeout=120)
     _check_against_single(results)
     r0 = results[0]
     # A weight shared by two units (the policy picks wte, whose weight the
     # root's lm_head shares) goes to the root; wpe is a unit of its own.
     assert r0["tied"]["units"] == [("wpe", 1), ("blocks.0", 12), ("blocks.1", 12), ("root", 3)]
-    for name in ("nopf", "keep", "fsdp2", "ddp", "unwrap", "tied"):
+    # Ignored parameters (10 LayerNorm weights and biases, 32 elements each)
+    # are in no unit and stay full on every rank; their gradients are
+    # averaged as DDP does, a / 2 + b / 2, the same sum: bitwise below.
+    assert r0["ignored"]["units"] == [("blocks.0", 8), ("blocks.1", 8), ("root", 2)]
+    assert r0["ignored"]["ignored_bytes"] == [32 * 4] * 10
+    for name in ("nopf", "keep", "fsdp2", "ddp", "unwrap", "tied", "ignored"):
         for n, p in r0["fsdp"]["params"].items():
             # Two ranks: the same arithmetic operation for operation. Each rank
             # runs the same kernels on the same shapes (every toy parameter has
@@ -187,22 +197,6 @@ def test_evaluation_forward_between_backward_and_step_uses_fresh_weights():
                 assert torch.equal(p, rank_res[name]["params"][n]), (name, n)
             # a forward under no_grad leaves nothing gathered
             assert rank_res[name]["held_after_eval"] == 0, name
-
-
-@pytest.mark.slow
-def test_fsdp_three_and_four_ranks_and_hybrid():
-    # 3 ranks: unit sizes do not divide by 3, so every unit is padded.
-    _check_against_single(launch(_train, 3, ["fsdp"], timeout=120))
-    results = launch(_train, 4, ["fsdp", "hybrid"], timeout=120)
-    _check_against_single(results)
-    for rank_res in launch(_train_clip, 4, True, timeout=120):  # hybrid: shard group of 2
-        _check_clip(rank_res)
-    # hybrid: shards over 2 ranks, so each rank holds twice the shard of full sharding
-    assert results[0]["hybrid"]["shard"] == pytest.approx(2 * results[0]["fsdp"]["shard"], rel=1e-2)
-    for name in ("fsdp", "hybrid"):  # every rank ends with the same weights
-        for n, p in results[0][name]["params"].items():
-            for rr in results[1:]:
-                assert torch.equal(p, rr[name]["params"][n])
 
 
 def test_world_size_one_and_grid():
@@ -345,7 +339,7 @@ def _train_clip(hybrid=False):
     ds = make_dataset(num_sequences=64, seq_len=16)
     batches = [ds.batch(list(range(s * B * N, (s + 1) * B * N))) for s in range(STEPS)]
     out = {}
-    for kind in ("single32", "single64", "fsdp", "wrong-local-norm"):
+    for kind in ("single32", "single64", "fsdp", "fsdp-ignored", "wrong-local-norm"):
         model = build_model("toy", seed=0)
         if kind.startswith("single"):
             wrapped = model = model.to(torch.float64 if kind == "single64" else torch.float32)
@@ -354,9 +348,11 @@ def _train_clip(hybrid=False):
             sl = slice(None)
         else:
             kw = dict(zip(("shard_group", "replicate_group"), hybrid_groups(2))) if hybrid else {}
+            if kind == "fsdp-ignored":  # replicated LayerNorms: their norm counts once
+                kw["ignored_params"] = [p for n, p in model.named_parameters() if "ln" in n]
             wrapped = FSDP(model, **kw)
             params = list(wrapped.parameters())
-            clip = (lambda: wrapped.clip_grad_norm_(MAX_NORM)) if kind == "fsdp" else \
+            clip = (lambda: wrapped.clip_grad_norm_(MAX_NORM)) if kind != "wrong-local-norm" else \
                 (lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
             sl = slice(lo, hi)
         opt = torch.optim.SGD(params, lr=SGD_LR)
@@ -381,11 +377,13 @@ def _check_clip(res):
     # squares, pairwise: at most ~log2(13k) = 14 ulps relative each.
     n64 = ref64["norms"][0]
     slack = 4 * abs(ref32["norms"][0] - n64) + 2 * 14 * EPS32 * n64
-    assert abs(res["fsdp"]["norms"][0] - n64) <= slack, (res["fsdp"]["norms"][0], n64)
+    for kind in ("fsdp", "fsdp-ignored"):
+        assert abs(res[kind]["norms"][0] - n64) <= slack, (kind, res[kind]["norms"][0], n64)
     # the weights after STEPS clipped steps: as in _check_against_single
     floor = _err(ref32["params"], ref64["params"])
     assert floor < 0.05 * SGD_LR * MAX_NORM, floor  # rounding, far below one clipped step
-    assert _err(res["fsdp"]["params"], ref64["params"]) <= 4 * floor
+    for kind in ("fsdp", "fsdp-ignored"):
+        assert _err(res[kind]["params"], ref64["params"]) <= 4 * floor, kind
     # torch's clip over the shards: each rank clips by its own chunks' norm
     assert _err(res["wrong-local-norm"]["params"], ref64["params"]) > 4 * floor
 
@@ -395,6 +393,91 @@ def test_clip_grad_norm_equals_one_process():
         _check_clip(rank_res)
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         FSDP(build_model("toy")).clip_grad_norm_(0.0)
+
+
+def _train_mixed(param_dtype, reduce_dtype):
+    """Our FSDP with a mixed-precision policy, PyTorch's FSDP2 with the same
+    ``MixedPrecisionPolicy``, and ours in plain fp32 (what a policy that did
+    nothing would give): weights after STEPS AdamW steps, gradients after
+    the first backward (full, and this rank's per-parameter views)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    r = rank_info()
+    g = torch.Generator().manual_seed(r.rank)
+    xs = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(STEPS)]
+    out = {}
+    for kind in ("ours", "fsdp2", "fp32"):
+        model = build_model("toy", seed=0)
+        if kind == "fsdp2":
+            wrapped = torch_fsdp2(model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))
+            params = list(model.parameters())
+        else:
+            kw = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if kind == "ours" else {}
+            wrapped = FSDP(model, **kw)
+            params = list(wrapped.parameters())
+        opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+        res = out[kind] = {}
+        for x in xs:
+            loss = wrapped(x, x)[1]
+            loss.backward()
+            if "grads" not in res:
+                res["loss_dtype"] = loss.dtype
+                if kind == "fsdp2":  # each parameter's gradient: a DTensor, dim-0 sharded
+                    res["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                else:
+                    res["grads"] = wrapped.full_grads()
+                    res["views"] = {n: (s.start, s.grad.clone(), s.grad.untyped_storage().data_ptr()
+                                        in {u.shard.grad.untyped_storage().data_ptr()
+                                            for u in wrapped._all_units()})
+                                    for n, s in wrapped.sharded_grads().items()}
+                    res["comm"] = wrapped.comm_bytes()
+                    res["full_dtypes"] = {u.full.dtype for u in wrapped._all_units()}
+            opt.step(); opt.zero_grad()
+        res["params"] = ({n: p.full_tensor() for n, p in model.named_parameters()}
+                         if kind == "fsdp2" else wrapped.full_parameters())
+    return out
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None])
+def test_mixed_precision_equals_fsdp2(reduce_dtype):
+    """bf16 compute, fp32 sharded master weights, gradients reduced in fp32
+    (or in bf16 with reduce_dtype None), against FSDP2 with the same policy.
+
+    Bitwise: the two do the same operations. Each rounds the same fp32
+    master weights to bf16 (round-to-nearest-even), runs the same kernels on
+    them, and reduces: in fp32, a + b of two bf16 values is exact and the
+    halving too; in bf16 both halve (exact) and add once. AdamW then updates
+    the same fp32 shards. Plain fp32 training is ~1e-3 away, so the check
+    fails on a policy that does nothing."""
+    r0, r1 = launch(_train_mixed, 2, torch.bfloat16, reduce_dtype, timeout=120)
+    ours, fsdp2, fp32 = r0["ours"], r0["fsdp2"], r0["fp32"]
+    assert ours["loss_dtype"] == fsdp2["loss_dtype"] == torch.bfloat16
+    assert ours["full_dtypes"] == {torch.bfloat16}  # gathered, and computed, in bf16
+    # bf16 all-gathers send half the bytes of fp32; the reduce-scatter is in reduce_dtype
+    assert ours["comm"]["all_gather"] == fp32["comm"]["all_gather"] / 2
+    rs = 1 if reduce_dtype == torch.float32 else 2
+    assert ours["comm"]["reduce_scatter"] == fp32["comm"]["reduce_scatter"] / rs
+    for what in ("params", "grads"):
+        for n, p in fsdp2[what].items():
+            assert ours[what][n].dtype == p.dtype == torch.float32, (what, n)
+            assert ours[what][n].shape == p.shape, (what, n)
+            assert torch.equal(ours[what][n], p), (what, n)
+    assert _err(fp32["params"], fsdp2["params"]) > 1e-4  # ~lr: the policy matters
+    # Per-parameter gradient views (FSDP.sharded_grads): fp32 views into each
+    # rank's shard.grad; the two ranks' slices tile the full averaged gradient.
+    for n, full in fsdp2["grads"].items():
+        flat = torch.full((full.numel(),), float("nan"))
+        for rank_res in (r0, r1):
+            start, g, is_view = rank_res["ours"]["views"][n]
+            assert is_view and g.dtype == torch.float32 and g.dim() == 1, n
+            flat[start:start + g.numel()] = g
+        assert torch.equal(flat.view(full.shape), full), n
+
+
+def test_bad_policy_and_ignored_params_refused():
+    with pytest.raises(ValueError, match="param_dtype must be a floating-point"):
+        FSDP(build_model("toy"), param_dtype=torch.int8)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        FSDP(build_model("toy"), ignored_params=[torch.nn.Parameter(torch.zeros(3))])
 
 
 # --------------------------------------------------------------------------
@@ -532,3 +615,20 @@ def test_world_size_one_on_gpu_with_nccl():
     # rounding only, so the same bound as the CPU runs (_check_against_single)
     assert floor < 0.05 * 1e-2, floor
     assert err <= 4 * floor, (err, floor)
+
+
+# Last: 3 and 4 ranks start new pools of ranks; the 2-rank tests above share one.
+@pytest.mark.slow
+def test_fsdp_three_and_four_ranks_and_hybrid():
+    # 3 ranks: unit sizes do not divide by 3, so every unit is padded.
+    _check_against_single(launch(_train, 3, ["fsdp"], timeout=120))
+    results = launch(_train, 4, ["fsdp", "hybrid"], timeout=120)
+    _check_against_single(results)
+    for rank_res in launch(_train_clip, 4, True, timeout=120):  # hybrid: shard group of 2
+        _check_clip(rank_res)
+    # hybrid: shards over 2 ranks, so each rank holds twice the shard of full sharding
+    assert results[0]["hybrid"]["shard"] == pytest.approx(2 * results[0]["fsdp"]["shard"], rel=1e-2)
+    for name in ("fsdp", "hybrid"):  # every rank ends with the same weights
+        for n, p in results[0][name]["params"].items():
+            for rr in results[1:]:
+                assert torch.equal(p, rr[name]["params"][n])
