@@ -451,8 +451,10 @@ class FSDP(nn.Module):
         """Floating-point inputs to param_dtype, as FSDP2's cast_forward_inputs."""
         if self.param_dtype is None:
             return None
-        cast = lambda t: t.to(self.param_dtype) if isinstance(t, torch.Tensor) \
-            and t.is_floating_point() else t  # noqa: E731
+
+        def cast(t):
+            floating = isinstance(t, torch.Tensor) and t.is_floating_point()
+            return t.to(self.param_dtype) if floating else t
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _root_pre_forward(self, module, args, kwargs):
