@@ -626,7 +626,8 @@ def test_fsdp_three_and_four_ranks_and_hybrid():
     _check_against_single(results)
     for rank_res in launch(_train_clip, 4, True, timeout=120):  # hybrid: shard group of 2
         _check_clip(rank_res)
-    # hybrid: shards over 2 ranks, so each rank holds twice the shard of full sharding
+    # hybrid: shards over 2 ranks, so each rank holds twice the shard of full
+    # sharding (element counts; rel=1e-2 covers the padding, < 4 per unit)
     assert results[0]["hybrid"]["shard"] == pytest.approx(2 * results[0]["fsdp"]["shard"], rel=1e-2)
     for name in ("fsdp", "hybrid"):  # every rank ends with the same weights
         for n, p in results[0][name]["params"].items():
