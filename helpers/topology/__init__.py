@@ -44,7 +44,8 @@ from helpers.topology.cost import (ALGORITHMS, COLLECTIVES, Cost, all_reduce_tim
 from helpers.topology.hierarchical import (NodeGroups, Wire, check_grid, emulated_topology,
                                            grid_layout, hierarchical_all_reduce, mesh_groups,
                                            node_groups, ring_all_gather, ring_all_reduce,
-                                           ring_reduce_scatter, time_emulated)
+                                           ring_reduce_scatter, time_emulated,
+                                           time_placement)
 from helpers.topology.links import (ETH_100G, IB_HDR, IB_NDR, LINKS, NVLINK3_A100,
                                     NVLINK4_H100, PCIE4_X16, PCIE5_X16, PRESETS, Link, Topology,
                                     a100_cluster, h100_cluster, pcie_cluster, preset)
@@ -57,5 +58,5 @@ __all__ = ["Link", "Topology", "LINKS", "NVLINK4_H100", "NVLINK3_A100", "PCIE4_X
            "packed_ranks", "spread_ranks", "ALGORITHMS", "COLLECTIVES", "Wire", "NodeGroups",
            "check_grid", "grid_layout", "node_groups", "mesh_groups", "ring_reduce_scatter",
            "ring_all_gather", "ring_all_reduce", "hierarchical_all_reduce", "emulated_topology",
-           "time_emulated", "SAMPLES", "parse_topo_matrix", "topology_from_nvidia_smi",
+           "time_emulated", "time_placement", "SAMPLES", "parse_topo_matrix", "topology_from_nvidia_smi",
            "read_live"]

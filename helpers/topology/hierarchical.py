@@ -50,7 +50,7 @@ from helpers.topology.links import Link, Topology
 
 __all__ = ["Wire", "NodeGroups", "check_grid", "grid_layout", "node_groups", "mesh_groups",
            "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
-           "hierarchical_all_reduce", "emulated_topology", "time_emulated"]
+           "hierarchical_all_reduce", "emulated_topology", "time_emulated", "time_placement"]
 
 
 class Wire:
@@ -317,3 +317,51 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
     return [{"algorithm": a, "nbytes": 4 * numel, "time_s": statistics.median(samples[a]),
              "samples": samples[a], "cross_node_bytes": counts[a][0],
              "nic_bytes": counts[a][1]} for a in names]
+
+
+def time_placement(numel: int, gpus_per_node: int, group_size: int, slow_link: Link | None,
+                   reps: int = 3) -> dict:
+    """Time an all-reduce inside groups of ``group_size`` ranks placed two ways.
+
+    "inside": consecutive ranks (a tensor-parallel group inside a node);
+    "across": ranks strided by ``gpus_per_node`` (one per node). Every group
+    runs its own flat ring through a ``Wire``. Run on every rank; returns
+    {"inside": (median s, cross-node bytes summed over ranks), "across": ...}.
+    """
+    p = dist.get_world_size()
+    check_grid(p, gpus_per_node)
+    nodes = p // gpus_per_node
+    if not isinstance(group_size, int) or group_size < 1 or gpus_per_node % group_size \
+            or nodes % group_size:
+        raise ValueError(f"group_size {group_size} must divide both gpus_per_node "
+                         f"({gpus_per_node}) and the node count ({nodes})")
+    grid = torch.arange(p).view(nodes, gpus_per_node)
+    layouts = {"inside": grid.reshape(-1, group_size).tolist(),
+               # columns of the grid, cut into groups of group_size consecutive nodes
+               "across": grid.t().reshape(-1, group_size).tolist()}
+    mine = {}
+    for name, groups in layouts.items():
+        for ranks in groups:
+            pg = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[name] = pg
+    x = torch.empty(numel)
+    out = {}
+    samples = {name: [] for name in layouts}
+    sent = {}
+    for _ in range(reps):
+        for name in layouts:
+            x.fill_(1.0)
+            wire = Wire(gpus_per_node, slow_link)
+            dist.barrier()
+            t0 = time.perf_counter()
+            ring_all_reduce(x, mine[name], wire)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            samples[name].append(dt.item())
+            b = torch.tensor([float(wire.cross_bytes)], dtype=torch.float64)
+            dist.all_reduce(b)
+            sent[name] = b.item()
+    for name in layouts:
+        out[name] = (statistics.median(samples[name]), sent[name])
+    return out
