@@ -327,3 +327,21 @@ def test_2x3_equals_dist_all_reduce_with_new_group_and_runs_on_a_subgroup():
     results = launch(_six_ranks, 6)
     _check_equality([r[0] for r in results], 6, 3)
     assert [r[1] for r in results] == [10.0, 10.0, 10.0, 10.0, None, None]
+
+
+# ---------------------------------------------------------------- the benchmark's arguments
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "1"], "--world must be >= 2"),
+    (["--world", "6", "--gpus-per-node", "4"], "6 ranks do not fill nodes of 4 GPUs"),
+    (["--world", "4", "--gpus-per-node", "4"], "one node: nothing crosses a network"),
+    (["--gpus-per-node", "1"], "--gpus-per-node must be >= 2"),
+    (["--mbps", "0"], "--mbps must be > 0"),
+    (["--latency-ms", "-1"], "--latency-ms must be >= 0"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--sizes", "10,x"], "--sizes must be comma-separated ints"),
+    (["--plain-sizes", "0"], "--sizes must be >= 1"),
+])
+def test_benchmark_refuses_bad_arguments(argv, message, load_bench):
+    with pytest.raises(ValueError, match=message):
+        load_bench("bench_topology").main(argv)
