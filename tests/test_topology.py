@@ -209,6 +209,14 @@ def test_grid_layout():
         grid_layout(6, 4)
 
 
+def test_one_rank_without_a_process_group_is_the_plain_tensor():
+    x = torch.arange(5.0)
+    assert torch.equal(hierarchical_all_reduce(x, 1), torch.arange(5.0))
+    assert torch.equal(ring_all_reduce(x), torch.arange(5.0))
+    with pytest.raises(ValueError, match="1 ranks do not fill nodes of 2 GPUs"):
+        hierarchical_all_reduce(x, 2)
+
+
 SHAPES = [(1,), (5,), (7,), (64,), (3, 5), (1001,)]  # several do not divide by g or p
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64]
 

@@ -98,6 +98,9 @@ class Wire:
 
 
 def _ring(group) -> tuple[int, int, int, int]:
+    """(rank, size, right neighbour, left neighbour) within ``group``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, 0, 0  # no process group: one rank, nothing to send
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     return rank, p, (rank + 1) % p, (rank - 1) % p
 
@@ -240,10 +243,12 @@ def hierarchical_all_reduce(tensor: torch.Tensor, gpus_per_node: int, group=None
     on every rank (``node_groups(g, group)``) and pass them.
     ``wire``: counts and optionally delays messages (default: counts only).
     """
-    p = dist.get_world_size(group)
-    check_grid(p, gpus_per_node)  # same answer on every rank: all raise before any message
     flat = _flat(tensor)
     _check_summable(flat, "hierarchical_all_reduce")
+    if not (dist.is_available() and dist.is_initialized()):
+        check_grid(1, gpus_per_node)
+        return tensor  # one rank, no process group: the sum is the tensor itself
+    check_grid(dist.get_world_size(group), gpus_per_node)  # every rank raises alike, first
     if groups is None:
         groups = node_groups(gpus_per_node, group)
     elif groups.gpus_per_node != gpus_per_node:
