@@ -44,7 +44,7 @@ def _no_error(world, g):  # silently drops the ranks that do not fill a node
 def test_layout_mistakes_fail():
     with pytest.raises(CheckFailed, match="swapped"):
         ch07.check_node_layout(_swapped)
-    with pytest.raises(CheckFailed, match="consecutive ranks"):
+    with pytest.raises(CheckFailed, match="not consecutive ranks"):
         ch07.check_node_layout(_strided_nodes)
     with pytest.raises(CheckFailed, match="should raise ValueError"):
         ch07.check_node_layout(_no_error)

@@ -32,7 +32,7 @@ SIZES = [12, 7, 1]  # 12 divides into every chunk (bytes exact); 7 and 1 do not
 def check_node_layout(node_layout) -> None:
     from helpers.topology import grid_layout
 
-    for world, g in [(4, 2), (6, 3), (6, 2), (8, 4), (8, 1), (3, 3)]:
+    for world, g in [(6, 3), (4, 2), (6, 2), (8, 4), (8, 1), (3, 3)]:  # non-square first
         got = attempt(node_layout, world, g, what="node_layout")
         want = grid_layout(world, g)
         try:
@@ -46,9 +46,9 @@ def check_node_layout(node_layout) -> None:
         if got == want[::-1]:
             hint = (" intra and inter are swapped: intra holds the ranks of one node "
                     "(consecutive ranks), inter one rank per node.")
-        elif sorted(map(sorted, got[0])) == sorted(map(sorted, want[1])):
-            hint = (" Your intra groups take one rank from each node: rank r lives on node "
-                    "r // gpus_per_node, so a node holds consecutive ranks.")
+        elif any(sorted(r) != list(range(min(r), min(r) + len(r))) for r in got[0] if r):
+            hint = (" Your intra groups are not consecutive ranks: rank r lives on node "
+                    "r // gpus_per_node, so a node holds ranks g*i .. g*i + g - 1.")
         raise CheckFailed(f"node_layout({world}, {g}): got {got}, expected {want}.{hint}")
     try:
         node_layout(6, 4)

@@ -16,8 +16,8 @@ Latencies are the per-step figures NCCL's own tuning model uses (NVIDIA/nccl,
 2020 version: NVLink 3.4 us, PCIe 5.7 us, network 9.6 us). They are what a
 ring step costs inside NCCL, not a wire's physical latency (which is far
 smaller). Bandwidths are the vendors' peak figures; real collectives reach
-70-90 % of them (NCCL's model caps an 8x A100 node's ring at 235 GB/s of the
-300 GB/s peak, same file).
+less (NCCL's own model caps an 8x A100 node's ring at 235 GB/s of the 300 GB/s
+peak, same file).
 """
 
 from __future__ import annotations
