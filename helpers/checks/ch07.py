@@ -90,7 +90,7 @@ def check_hierarchical(hierarchical) -> None:
     if not callable(hierarchical):
         raise CheckFailed(f"hierarchical should be a function, got {hierarchical!r}")
     results = on_ranks(_run_hierarchical, WORLD, hierarchical, what="hierarchical",
-                       timeout=60,
+                       timeout=120,  # generous: 6 subgroups on a loaded 2-core machine
                        probe=lambda: hierarchical(torch.zeros(4), None, None, Wire(1)))
     for i, n in enumerate(SIZES):
         wrong = [r for r, res in enumerate(results) if not res[i][0]]
