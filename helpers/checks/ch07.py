@@ -1,0 +1,144 @@
+"""Checks for chapter 07: the grid of subgroups, the hierarchical all-reduce, placement.
+
+Contracts:
+
+* ``node_layout(world_size, gpus_per_node)`` -> ``(intra, inter)``: ``intra`` lists
+  the ranks of each node ([[0, 1], [2, 3]] for 4 ranks, 2 per node), ``inter``
+  the ranks with the same local index on every node ([[0, 2], [1, 3]]). A world
+  size that is not a multiple of gpus_per_node raises ValueError.
+* ``hierarchical(x, intra, inter, wire)``: in place, the sum over all ranks,
+  built from ``helpers.topology``'s ``ring_reduce_scatter``, ``ring_all_reduce``
+  and ``ring_all_gather`` with ``wire=wire`` (so its messages are counted).
+  ``intra``/``inter`` are this rank's process groups.
+* ``placement_times(topology, nbytes, group_size)`` -> {"inside": s, "across": s}:
+  the model's all-reduce time for a group of ``group_size`` GPUs packed in one
+  node, and spread one per node.
+
+The hierarchical check runs on 4 ranks as 2 "nodes" x 2 and counts the bytes that
+cross nodes: a flat ring passed off as hierarchical sends more of them, and so
+does an all-reduce of the whole tensor across nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.checks import CheckFailed, attempt, on_ranks, passed
+
+WORLD, GPUS = 4, 2
+SIZES = [12, 7, 1]  # 12 divides into every chunk (bytes exact); 7 and 1 do not
+
+
+def check_node_layout(node_layout) -> None:
+    from helpers.topology import grid_layout
+
+    for world, g in [(6, 3), (4, 2), (6, 2), (8, 4), (8, 1), (3, 3)]:  # non-square first
+        got = attempt(node_layout, world, g, what="node_layout")
+        want = grid_layout(world, g)
+        try:
+            got = ([list(map(int, r)) for r in got[0]], [list(map(int, r)) for r in got[1]])
+        except (TypeError, IndexError, ValueError):
+            raise CheckFailed(f"node_layout({world}, {g}) should return (intra, inter), two "
+                              f"lists of rank lists; got {got!r}") from None
+        if got == want:
+            continue
+        hint = ""
+        if got == want[::-1]:
+            hint = (" intra and inter are swapped: intra holds the ranks of one node "
+                    "(consecutive ranks), inter one rank per node.")
+        elif any(sorted(r) != list(range(min(r), min(r) + len(r))) for r in got[0] if r):
+            hint = (" Your intra groups are not consecutive ranks: rank r lives on node "
+                    "r // gpus_per_node, so a node holds ranks g*i .. g*i + g - 1.")
+        raise CheckFailed(f"node_layout({world}, {g}): got {got}, expected {want}.{hint}")
+    try:
+        node_layout(6, 4)
+    except ValueError:
+        pass
+    except NotImplementedError:
+        raise CheckFailed("node_layout is not implemented yet") from None
+    else:
+        raise CheckFailed("node_layout(6, 4) should raise ValueError: 6 ranks do not fill "
+                          "nodes of 4 GPUs (say so before any rank starts a collective)")
+    passed("node_layout: nodes are consecutive ranks, inter groups one rank per node; "
+           "a world that does not fill the nodes is refused")
+
+
+def _run_hierarchical(fn):
+    import torch.distributed as dist
+
+    from helpers.topology import Wire, node_groups
+
+    groups = node_groups(GPUS)
+    rank = dist.get_rank()
+    out = []
+    for n in SIZES:
+        g = torch.Generator().manual_seed(100 * rank + n)
+        x = torch.randint(-50, 50, (n,), generator=g).double()  # small ints: sums are exact
+        ref = x.clone()
+        dist.all_reduce(ref)
+        wire = Wire(GPUS)
+        fn(x, groups.intra, groups.inter, wire)
+        out.append((torch.equal(x, ref), wire.cross_bytes))
+    dist.barrier()
+    return out
+
+
+def check_hierarchical(hierarchical) -> None:
+    from helpers.topology import Topology, collective_cost, IB_NDR, NVLINK4_H100
+    from helpers.topology import Wire
+
+    if not callable(hierarchical):
+        raise CheckFailed(f"hierarchical should be a function, got {hierarchical!r}")
+    results = on_ranks(_run_hierarchical, WORLD, hierarchical, what="hierarchical",
+                       timeout=120,  # generous: 6 subgroups on a loaded 2-core machine
+                       probe=lambda: hierarchical(torch.zeros(4), None, None, Wire(1)))
+    for i, n in enumerate(SIZES):
+        wrong = [r for r, res in enumerate(results) if not res[i][0]]
+        if wrong:
+            raise CheckFailed(f"hierarchical: a tensor of {n} elements does not hold the sum "
+                              f"over all {WORLD} ranks on rank(s) {wrong}. Reduce-scatter inside "
+                              f"the node, all-reduce *your chunk* across nodes, all-gather inside.")
+    topo = Topology("2x2", 2, GPUS, NVLINK4_H100, IB_NDR, nics_per_node=GPUS)
+    N = 8 * SIZES[0]  # float64 bytes
+    want = collective_cost(topo, "all_reduce", N, WORLD, "hierarchical").cross_node_bytes
+    flat = collective_cost(topo, "all_reduce", N, WORLD, "ring").cross_node_bytes
+    got = sum(res[0][1] for res in results)
+    if got != want:
+        hint = ""
+        if got == flat:
+            hint = " That is exactly a flat ring over all ranks: use the subgroups."
+        elif got > want:
+            hint = (" More than the hierarchy needs: only the chunk that the intra-node "
+                    "reduce-scatter returns should cross nodes, and only in the inter group.")
+        elif got == 0:
+            hint = " Nothing crossed nodes: were the messages sent through `wire`?"
+        raise CheckFailed(f"hierarchical: {got:g} bytes crossed node boundaries for a "
+                          f"{N}-byte tensor on 2 nodes x 2; the hierarchical all-reduce sends "
+                          f"2 (nodes - 1) N = {want:g} (a flat ring: {flat:g}).{hint}")
+    passed(f"hierarchical all-reduce on 2 nodes x 2 ranks: the exact sum, and {got:g} bytes "
+           f"across nodes for a {N}-byte tensor (a flat ring sends {flat:g})")
+
+
+def check_placement_times(placement_times) -> None:
+    from helpers.topology import (a100_cluster, all_reduce_time, h100_cluster, packed_ranks,
+                                  pcie_cluster, spread_ranks)
+
+    cases = [(h100_cluster(8), 1e8, 8), (h100_cluster(4), 1e6, 4), (a100_cluster(4), 1e4, 2),
+             (pcie_cluster(8), 1e8, 8)]
+    for topo, nbytes, k in cases:
+        got = attempt(placement_times, topo, nbytes, k, what="placement_times")
+        if not isinstance(got, dict) or set(got) != {"inside", "across"}:
+            raise CheckFailed(f"placement_times should return a dict with keys 'inside' and "
+                              f"'across', got {got!r}")
+        want = {"inside": all_reduce_time(topo, nbytes, packed_ranks(topo, k)),
+                "across": all_reduce_time(topo, nbytes, spread_ranks(topo, k))}
+        for key in want:
+            # the same formula on the same numbers: equal up to the order of operations
+            if not abs(float(got[key]) - want[key]) <= 1e-9 * want[key]:
+                hint = ""
+                if key == "across" and abs(float(got[key]) - want["inside"]) <= 1e-9 * want[key]:
+                    hint = " That is the 'inside' time: spread the group one GPU per node."
+                raise CheckFailed(f"placement_times({topo.name}, {nbytes:g}, {k})[{key!r}]: "
+                                  f"got {float(got[key]):.6g} s, expected {want[key]:.6g} s.{hint}")
+    passed("placement_times: the model's ring all-reduce for a group packed in a node and "
+           "spread one GPU per node")

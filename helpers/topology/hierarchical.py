@@ -1,0 +1,372 @@
+"""The hierarchical all-reduce on real ranks, with node boundaries you can see.
+
+Ranks are grouped into "nodes" of ``gpus_per_node`` consecutive ranks (rank
+r lives on node r // g, as torchrun numbers them). Two families of process
+subgroups follow from that grid (a (nodes, g) array of ranks):
+
+* ``intra``: the g ranks of one node (a row), and
+* ``inter``: the ranks with the same local index on every node (a column).
+
+The all-reduce in three phases (see ``helpers.topology.cost``):
+
+1. ring reduce-scatter inside the node: local rank j ends with the node's sum
+   of chunk j (N/g bytes), over the fast links only;
+2. ring all-reduce of that chunk across nodes, in the inter group: the only
+   phase that crosses a node boundary, g of them in parallel, each on N/g;
+3. ring all-gather inside the node.
+
+Both ways of building the groups are here: ``node_groups`` calls
+``dist.new_group`` once per row and per column (every rank must make every
+call, in the same order, members or not), and ``mesh_groups`` asks a 2-D
+``DeviceMesh`` (torch.distributed.device_mesh) for its two dimensions, which
+does the same bookkeeping for you.
+
+A ``Wire`` carries every message of these rings. It counts the bytes that
+leave the sender's node (counted, not assumed) and, given a ``Link``, makes
+each such message late by ``latency + bytes / bandwidth`` (the sender sleeps
+before posting it), which turns one CPU machine into a cluster with a slow
+network between "nodes": the flat ring and the hierarchical one can then be
+timed on real ranks and compared with the cost model. What it cannot do is
+show NVLink vs InfiniBand: on one machine every message goes through the same
+loopback, and the model treats that intra-node part as free.
+
+Cost: building the groups is a collective per group (a few ms each on gloo):
+build them once per launch and pass ``groups=``. The rings here are
+chapter 03's (same chunks, same order), one message per step, without
+segments.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from helpers.collectives import _check_summable, chunk_bounds
+from helpers.topology.links import Link, Topology
+
+__all__ = ["Wire", "NodeGroups", "check_grid", "grid_layout", "node_groups", "mesh_groups",
+           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+           "hierarchical_all_reduce", "emulated_topology", "time_emulated", "time_placement"]
+
+
+class Wire:
+    """Carries ring messages; counts (and optionally delays) those that cross nodes.
+
+    ``gpus_per_node``: global rank r is on node r // gpus_per_node.
+    ``slow_link``: if given, each cross-node message is sent
+    ``slow_link.time(nbytes)`` seconds late. One Wire per rank; its counters
+    cover what *this* rank sent.
+    """
+
+    def __init__(self, gpus_per_node: int, slow_link: Link | None = None):
+        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+        self.gpus_per_node = gpus_per_node
+        self.slow_link = slow_link
+        self.cross_bytes = 0      # bytes this rank sent to another node
+        self.cross_messages = 0
+        self.local_bytes = 0      # bytes this rank sent inside its node
+
+    def node(self, global_rank: int) -> int:
+        return global_rank // self.gpus_per_node
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
+                 group=None) -> None:
+        """Send ``send`` to group rank ``right``, receive ``recv`` from ``left``; wait for both."""
+        g = group if group is not None else dist.group.WORLD
+        me, dst = dist.get_rank(), dist.get_global_rank(g, right)
+        ops = []
+        if send.numel():
+            nbytes = send.numel() * send.element_size()
+            if self.node(dst) != self.node(me):
+                self.cross_bytes += nbytes
+                self.cross_messages += 1
+                if self.slow_link is not None:
+                    time.sleep(self.slow_link.time(nbytes))  # the emulated slow link
+            else:
+                self.local_bytes += nbytes
+            ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=right))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=left))
+        # one batch: sends and receives progress together (helpers.collectives._post_pair)
+        for req in (dist.batch_isend_irecv(ops) if ops else []):
+            req.wait()
+
+
+def _ring(group) -> tuple[int, int, int, int]:
+    """(rank, size, right neighbour, left neighbour) within ``group``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, 0, 0  # no process group: one rank, nothing to send
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    return rank, p, (rank + 1) % p, (rank - 1) % p
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError("these collectives work in place on a contiguous tensor; "
+                         "call .contiguous() first (and copy the result back)")
+    return tensor.view(-1)
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, group=None, wire: Wire | None = None):
+    """Chapter 03's ring reduce-scatter, every message through ``wire``.
+
+    In place; returns chunk ``rank`` (of ``chunk_bounds(numel, p)``), which
+    then holds the sum over ``group``.
+    """
+    flat = _flat(tensor)
+    wire = wire or Wire(1)
+    rank, p, right, left = _ring(group)
+    if p == 1:
+        return flat
+    bounds = chunk_bounds(flat.numel(), p)
+    buf = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    for s in range(p - 1):  # step s: send chunk r-s-1, receive and add chunk r-s-2
+        a, b = bounds[(rank - s - 1) % p]
+        c, d = bounds[(rank - s - 2) % p]
+        wire.exchange(flat[a:b], buf[:d - c], right, left, group)
+        flat[c:d].add_(buf[:d - c])
+    a, b = bounds[rank]
+    return flat[a:b]
+
+
+def ring_all_gather(tensor: torch.Tensor, group=None, wire: Wire | None = None):
+    """Chapter 03's ring all-gather through ``wire``: chunk ``rank`` in, every chunk out."""
+    flat = _flat(tensor)
+    wire = wire or Wire(1)
+    rank, p, right, left = _ring(group)
+    bounds = chunk_bounds(flat.numel(), p)
+    for s in range(p - 1):  # step s: send chunk r-s, receive chunk r-s-1 in place
+        a, b = bounds[(rank - s) % p]
+        c, d = bounds[(rank - s - 1) % p]
+        wire.exchange(flat[a:b], flat[c:d], right, left, group)
+    return tensor
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None, wire: Wire | None = None):
+    """The flat ring: reduce-scatter then all-gather over all of ``group``. In place."""
+    _check_summable(_flat(tensor), "ring_all_reduce")
+    ring_reduce_scatter(tensor, group, wire)
+    return ring_all_gather(tensor, group, wire)
+
+
+# --------------------------------------------------------------------------
+# The grid of ranks and its two kinds of subgroup.
+# --------------------------------------------------------------------------
+
+def check_grid(world_size: int, gpus_per_node: int) -> int:
+    """Number of nodes; a ValueError naming the constraint if the ranks don't fill them."""
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) \
+            or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+    if world_size % gpus_per_node:
+        raise ValueError(f"{world_size} ranks do not fill nodes of {gpus_per_node} GPUs: the "
+                         f"world size must be a multiple of gpus_per_node")
+    return world_size // gpus_per_node
+
+
+def grid_layout(world_size: int, gpus_per_node: int) -> tuple[list, list]:
+    """(intra, inter): rank lists of every node (rows) and every local index (columns).
+
+    >>> grid_layout(6, 3)
+    ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
+    """
+    nodes = check_grid(world_size, gpus_per_node)
+    grid = torch.arange(world_size).view(nodes, gpus_per_node)  # (nodes, g)
+    return grid.tolist(), grid.t().tolist()
+
+
+@dataclass
+class NodeGroups:
+    """This rank's two subgroups, and where it sits in the grid."""
+
+    intra: object        # the g ranks of my node
+    inter: object        # the ranks with my local index, one per node
+    node: int
+    local: int
+    gpus_per_node: int
+
+
+def node_groups(gpus_per_node: int, group=None) -> NodeGroups | None:
+    """Build the row and column subgroups of ``group`` (default: the world) with new_group.
+
+    A collective over the default group: every rank calls it, with the same
+    arguments, members of ``group`` or not (those get None). Nodes are formed
+    from ``group``'s ranks in group order.
+    """
+    members = dist.get_process_group_ranks(group) if group is not None \
+        else list(range(dist.get_world_size()))
+    rows, cols = grid_layout(len(members), gpus_per_node)
+    me = dist.get_rank()
+    mine = {}
+    for kind, lists in (("intra", rows), ("inter", cols)):
+        for idx in lists:
+            ranks = [members[i] for i in idx]
+            pg = dist.new_group(ranks)  # every rank creates every group, same order
+            if me in ranks:
+                mine[kind] = pg
+    if me not in members:
+        return None  # a rank outside ``group`` only helped create the subgroups
+    pos = members.index(me)
+    return NodeGroups(mine["intra"], mine["inter"], pos // gpus_per_node,
+                      pos % gpus_per_node, gpus_per_node)
+
+
+def mesh_groups(gpus_per_node: int) -> NodeGroups:
+    """The same two subgroups from a 2-D DeviceMesh of shape (nodes, gpus_per_node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nodes = check_grid(dist.get_world_size(), gpus_per_node)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (nodes, gpus_per_node), mesh_dim_names=("node", "local"))
+    me = dist.get_rank()
+    # dimension "local" varies inside a node (a row); "node" varies across nodes (a column)
+    return NodeGroups(mesh.get_group("local"), mesh.get_group("node"), me // gpus_per_node,
+                      me % gpus_per_node, gpus_per_node)
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, gpus_per_node: int, group=None, *,
+                            groups: NodeGroups | None = None, wire: Wire | None = None):
+    """Sum ``tensor`` over ``group`` in place: reduce-scatter inside nodes, all-reduce
+    across, all-gather inside. Returns ``tensor``.
+
+    Equal to ``dist.all_reduce`` up to the order of floating-point additions.
+    ``groups``: from ``node_groups``/``mesh_groups``, built once and reused.
+    If None they are built here, which is a collective over the *default*
+    group: with a ``group`` smaller than the world, build them beforehand
+    on every rank (``node_groups(g, group)``) and pass them.
+    ``wire``: counts and optionally delays messages (default: counts only).
+    """
+    flat = _flat(tensor)
+    _check_summable(flat, "hierarchical_all_reduce")
+    if not (dist.is_available() and dist.is_initialized()):
+        check_grid(1, gpus_per_node)
+        return tensor  # one rank, no process group: the sum is the tensor itself
+    check_grid(dist.get_world_size(group), gpus_per_node)  # every rank raises alike, first
+    if groups is None:
+        groups = node_groups(gpus_per_node, group)
+    elif groups.gpus_per_node != gpus_per_node:
+        raise ValueError(f"groups were built for {groups.gpus_per_node} GPUs per node, "
+                         f"not {gpus_per_node}")
+    wire = wire or Wire(gpus_per_node)
+    chunk = ring_reduce_scatter(flat, groups.intra, wire)   # (N/g,): my node's sum of chunk j
+    ring_all_reduce(chunk, groups.inter, wire)              # the only cross-node phase
+    ring_all_gather(flat, groups.intra, wire)
+    return tensor
+
+
+# --------------------------------------------------------------------------
+# Timing on an emulated cluster (run inside launch; every rank gets the same rows).
+# --------------------------------------------------------------------------
+
+LOOPBACK = Link("this machine's loopback (free in the model)", 1e15, 0.0,
+                "not modelled: the emulation delays only cross-node messages")
+
+
+def emulated_topology(nodes: int, gpus_per_node: int, slow_link: Link) -> Topology:
+    """The cluster the emulation builds: free links inside, ``slow_link`` per rank between."""
+    return Topology(f"emulated {nodes}x{gpus_per_node}", nodes, gpus_per_node, LOOPBACK,
+                    slow_link, nics_per_node=gpus_per_node)
+
+
+def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: int = 3,
+                  algorithms=("ring", "hierarchical"), include_torch: bool = False) -> list[dict]:
+    """Time the flat ring and the hierarchical all-reduce over an emulated slow link.
+
+    Run on every rank. The algorithms take turns call by call (so load hits
+    both alike); a sample is the slowest rank's time after a barrier; each row
+    reports the median sample, the bytes crossing nodes (summed over ranks)
+    and the most any one rank sent across (its "NIC"). ``include_torch`` adds
+    dist.all_reduce (no emulated delay: gloo's own messages bypass the Wire).
+    Every result is checked against the exact sum (float32 ones: exact).
+    """
+    if not isinstance(numel, int) or numel < 1 or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"need numel >= 1 and reps >= 1 (ints), got {numel!r}, {reps!r}")
+    groups = node_groups(gpus_per_node)
+    p = dist.get_world_size()
+    x = torch.empty(numel, dtype=torch.float32)
+    names = list(algorithms) + (["torch"] if include_torch else [])
+    samples = {a: [] for a in names}
+    counts = {}
+    for _ in range(reps):
+        for alg in names:
+            x.fill_(1.0)
+            wire = Wire(gpus_per_node, slow_link)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if alg == "ring":
+                ring_all_reduce(x, None, wire)
+            elif alg == "hierarchical":
+                hierarchical_all_reduce(x, gpus_per_node, groups=groups, wire=wire)
+            elif alg == "torch":
+                dist.all_reduce(x)
+            else:
+                raise ValueError(f"unknown algorithm {alg!r}")
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            if not torch.equal(x, torch.full_like(x, float(p))):
+                raise RuntimeError(f"{alg} all-reduce gave a wrong sum on rank {dist.get_rank()}")
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            sent = torch.tensor([float(wire.cross_bytes)], dtype=torch.float64)
+            most = sent.clone()
+            dist.all_reduce(sent)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            samples[alg].append(dt.item())
+            # gloo's own messages bypass the Wire: nothing to count for "torch"
+            counts[alg] = (None, None) if alg == "torch" else (sent.item(), most.item())
+    return [{"algorithm": a, "nbytes": 4 * numel, "time_s": statistics.median(samples[a]),
+             "samples": samples[a], "cross_node_bytes": counts[a][0],
+             "nic_bytes": counts[a][1]} for a in names]
+
+
+def time_placement(numel: int, gpus_per_node: int, group_size: int, slow_link: Link | None,
+                   reps: int = 3) -> dict:
+    """Time an all-reduce inside groups of ``group_size`` ranks placed two ways.
+
+    "inside": consecutive ranks (a tensor-parallel group inside a node);
+    "across": ranks strided by ``gpus_per_node`` (one per node). Every group
+    runs its own flat ring through a ``Wire``. Run on every rank; returns
+    {"inside": (median s, cross-node bytes summed over ranks), "across": ...}.
+    """
+    p = dist.get_world_size()
+    check_grid(p, gpus_per_node)
+    nodes = p // gpus_per_node
+    if not isinstance(group_size, int) or group_size < 1 or gpus_per_node % group_size \
+            or nodes % group_size:
+        raise ValueError(f"group_size {group_size} must divide both gpus_per_node "
+                         f"({gpus_per_node}) and the node count ({nodes})")
+    grid = torch.arange(p).view(nodes, gpus_per_node)
+    layouts = {"inside": grid.reshape(-1, group_size).tolist(),
+               # columns of the grid, cut into groups of group_size consecutive nodes
+               "across": grid.t().reshape(-1, group_size).tolist()}
+    mine = {}
+    for name, groups in layouts.items():
+        for ranks in groups:
+            pg = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[name] = pg
+    x = torch.empty(numel)
+    out = {}
+    samples = {name: [] for name in layouts}
+    sent = {}
+    for _ in range(reps):
+        for name in layouts:
+            x.fill_(1.0)
+            wire = Wire(gpus_per_node, slow_link)
+            dist.barrier()
+            t0 = time.perf_counter()
+            ring_all_reduce(x, mine[name], wire)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            samples[name].append(dt.item())
+            b = torch.tensor([float(wire.cross_bytes)], dtype=torch.float64)
+            dist.all_reduce(b)
+            sent[name] = b.item()
+    for name in layouts:
+        out[name] = (statistics.median(samples[name]), sent[name])
+    return out
