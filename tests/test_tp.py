@@ -76,6 +76,16 @@ def test_tp_plan_names_the_constraint_before_any_rank_starts():
     assert tp_comm_bytes(GPTConfig(), 2, 8, 1) == {}
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "huge"], "--size must be one of"), (["--seq", "0"], "--seq must be in"),
+    (["--steps", "1"], "--steps must be >= 2"), (["--world", "1"], "--world must be >= 2"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--world", "3"], "4 heads do not divide over tensor-parallel size 3")])
+def test_benchmark_refuses_bad_arguments_before_any_rank(argv, message, load_bench):
+    with pytest.raises(ValueError, match=message):
+        load_bench("bench_tp").main(argv)
+
+
 def test_world_size_one_is_the_plain_layer():
     # No process group: t = 1, every operator is the identity, same arithmetic as dense.
     torch.manual_seed(0)

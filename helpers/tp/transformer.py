@@ -117,7 +117,15 @@ def tensor_parallel_block(block: Block, group=None) -> Block:
     tp.attn = ParallelSelfAttention(block.attn, group)
     tp.mlp.c_fc = ColumnParallelLinear.from_dense(block.mlp.c_fc, group)
     tp.mlp.c_proj = RowParallelLinear.from_dense(block.mlp.c_proj, group)
+    _name_layers(tp)
     return tp
+
+
+def _name_layers(model: nn.Module) -> None:
+    """Each split layer's name for the collective counter: its path in ``model``."""
+    for name, module in model.named_modules():
+        if hasattr(module, "layout"):
+            module.name = name
 
 
 class TensorParallelGPT(nn.Module):
@@ -138,9 +146,7 @@ class TensorParallelGPT(nn.Module):
         self.ln_f = copy.deepcopy(dense.ln_f)
         # Tied head: a column-parallel linear whose weight *is* the embedding slice.
         self.lm_head = _tied_head(self.wte, group)
-        for name, module in self.named_modules():  # names for the collective counter
-            if hasattr(module, "layout"):
-                module.name = name
+        _name_layers(self)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.size(1)
