@@ -7,10 +7,11 @@ them in plain TP: the layer waits. With the alpha-beta ring model of chapter
 
     T_comm(t) = 4 * [2 (t-1) alpha + 2 (t-1)/t * tokens * h * s / beta]
 
-while the layer's compute shrinks as 1/t (Narayanan et al. 2021, "Efficient
+while the layer's compute shrinks as 1/t. Narayanan et al. 2021 ("Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-sec. 5.1: 72 tokens h^2 (1 + seq / 6h) FLOPs per layer for forward and
-backward, ignoring the head):
+sec. 5.1) count 96 B s h^2 (1 + s / 6h) FLOPs per layer for a step with full
+recompute (forward twice + backward = 4 forward passes); without recompute it
+is 3 passes, 3/4 of that:
 
     T_comp(t) = 72 tokens h^2 (1 + seq / 6h) / (t * achieved FLOP/s)
 
@@ -79,8 +80,9 @@ def tp_layer_comm_time(h: int, tokens: int, t: int, link: Link, dtype_bytes: int
 
 def tp_layer_compute_time(h: int, tokens: int, seq: int, t: int,
                           flops: float = 0.5 * H100_BF16_FLOPS) -> float:
-    """Seconds of forward + backward matmuls per layer on one of t ranks
-    (Narayanan et al. 2021, sec. 5.1); ``flops``: achieved FLOP/s (default half of peak)."""
+    """Seconds of forward + backward matmuls per layer on one of t ranks: 72 tokens h^2
+    (1 + seq / 6h) FLOPs (Narayanan et al. 2021, sec. 5.1, without recompute: 3/4 of
+    their 96); ``flops``: achieved FLOP/s (default half of peak)."""
     return 72 * tokens * h * h * (1 + seq / (6 * h)) / (t * flops)
 
 
