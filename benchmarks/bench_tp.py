@@ -100,7 +100,8 @@ def main(argv=None) -> None:
                if layer.startswith("blocks.0.")}
     print(f"\n{'layer':<14} {'direction':<9} {'count':>5} {'bytes':>10} {'formula':>10}")
     for (layer, direction, op), (n, nbytes) in res[0]["table"].items():
-        print(f"{layer:<14} {direction:<9} {n:>5} {nbytes:>10,} {formula.get((layer, direction), 0):>10,}")
+        want = formula.get((layer, direction), 0)
+        print(f"{layer:<14} {direction:<9} {n:>5} {nbytes:>10,} {want:>10,}")
     ok = all({(la, d): b for (la, d, _), (_, b) in r["table"].items()} == formula for r in res)
     print("bytes per layer and direction equal the formula on every rank "
           "(B x T x h x 4; 2 forward + 2 backward per block):", ok)

@@ -137,7 +137,8 @@ def _layers_fp32():
     out["row"] = (z.detach(), xr.grad, g["weight"], g["bias"])
     # Layer sizes that do not divide are refused, naming the constraint
     errors = []
-    for make in (lambda: ColumnParallelLinear(4, 8 * t + 1), lambda: RowParallelLinear(8 * t + 1, 4),
+    for make in (lambda: ColumnParallelLinear(4, 8 * t + 1),
+                 lambda: RowParallelLinear(8 * t + 1, 4),
                  lambda: VocabParallelEmbedding(8 * t + 1, 4)):
         try:
             make()

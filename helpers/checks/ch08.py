@@ -139,12 +139,14 @@ def _run_layers(column_cls, row_cls):
 def check_parallel_layers(column_cls, row_cls) -> None:
     """2 ranks: Linear(8, 16) column-parallel, GeLU, Linear(16, 8) row-parallel, float64."""
     res = on_ranks(_run_layers, 2, column_cls, row_cls, what="the parallel layers",
-                   probe=lambda: (column_cls(nn.Linear(2, 2), None), row_cls(nn.Linear(2, 2), None)))
+                   probe=lambda: (column_cls(nn.Linear(2, 2), None),
+                                  row_cls(nn.Linear(2, 2), None)))
     for rank, out in enumerate(res):
         want = out["want"]
         if out["col_weight"] != (8, 8):
             raise CheckFailed(f"rank {rank}: ColumnParallelLinear(Linear(8, 16)).weight has shape "
-                              f"{out['col_weight']}; on 2 ranks it keeps 16 / 2 output rows: (8, 8)")
+                              f"{out['col_weight']}; on 2 ranks it keeps 16 / 2 output rows: "
+                              f"(8, 8)")
         if out["row_weight"] != (8, 8):
             raise CheckFailed(f"rank {rank}: RowParallelLinear(Linear(16, 8)).weight has shape "
                               f"{out['row_weight']}; it keeps 16 / 2 input columns: (8, 8)")
@@ -162,7 +164,8 @@ def check_parallel_layers(column_cls, row_cls) -> None:
                               f"(max error {(y - want['y']).abs().max().item():.3g})")
         if not _close(dx, want["dx"]):
             raise CheckFailed(f"rank {rank}: the input gradient differs from the dense one: does "
-                              f"the column-parallel layer pass x through f (all-reduce in backward)?")
+                              f"the column-parallel layer pass x through f (all-reduce in "
+                              f"backward)?")
         for name, g in out["grads"].items():
             if not _close(g, want["grads"][name]):
                 raise CheckFailed(f"rank {rank}: the gradient of {name} (gathered over ranks) "
