@@ -25,19 +25,17 @@ GPU, 400 Gb/s = 50 GB/s (NVIDIA ConnectX-7 / DGX H100 user guide: eight
 400 Gb/s NICs for eight GPUs). A 9x slower hop with messages that do not shrink
 with t: TP across nodes spends most of its time waiting.
 
-``tp_link`` is the one place that maps a TP size to a link; a topology model
-(chapter 07) can replace it.
-
-The latency alpha is an assumption (a few microseconds, the order of a
-small NCCL message); at these message sizes the bandwidth term dominates,
-which ``tp_layer_comm_time(..., parts=True)`` lets a notebook show.
+``tp_link`` is the one place that maps a TP size to a link. The links are
+chapter 07's presets (``helpers.topology``): the bandwidths above, and the
+per-step latency NCCL's own tuning model uses (3.4 us on NVLink, 9.6 us over
+the network). At these message sizes the bandwidth term dominates, which
+``tp_layer_comm_time(..., parts=True)`` lets a notebook show.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from helpers.collectives import ring_all_reduce_time
+from helpers.topology import IB_NDR, NVLINK4_H100, Link
 
 __all__ = ["Link", "LINKS", "tp_link", "tp_layer_comm_time", "tp_layer_compute_time",
            "tp_efficiency", "H100_BF16_FLOPS"]
@@ -45,17 +43,8 @@ __all__ = ["Link", "LINKS", "tp_link", "tp_layer_comm_time", "tp_layer_compute_t
 H100_BF16_FLOPS = 989e12  # dense BF16 Tensor Core peak, H100 SXM (NVIDIA datasheet)
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    name: str
-    beta: float   # bytes/s per direction per GPU
-    alpha: float  # seconds per message (assumed, see module docstring)
-
-
-LINKS = {
-    "nvlink": Link("NVLink 4 (H100 SXM), 450 GB/s", 450e9, 5e-6),
-    "infiniband": Link("InfiniBand NDR, 400 Gb/s = 50 GB/s per GPU", 50e9, 10e-6),
-}
+# The slowest hop of a TP ring inside an H100 node, and once it leaves the node.
+LINKS = {"nvlink": NVLINK4_H100, "infiniband": IB_NDR}
 
 
 def tp_link(t: int, gpus_per_node: int = 8) -> Link:
@@ -73,9 +62,9 @@ def tp_layer_comm_time(h: int, tokens: int, t: int, link: Link, dtype_bytes: int
     """
     nbytes = tokens * h * dtype_bytes
     if parts:
-        lat = 4 * ring_all_reduce_time(0, t, link.alpha, link.beta)
-        return lat, 4 * ring_all_reduce_time(nbytes, t, link.alpha, link.beta) - lat
-    return 4 * ring_all_reduce_time(nbytes, t, link.alpha, link.beta)
+        lat = 4 * ring_all_reduce_time(0, t, link.latency, link.bandwidth)
+        return lat, 4 * ring_all_reduce_time(nbytes, t, link.latency, link.bandwidth) - lat
+    return 4 * ring_all_reduce_time(nbytes, t, link.latency, link.bandwidth)
 
 
 def tp_layer_compute_time(h: int, tokens: int, seq: int, t: int,
