@@ -73,7 +73,13 @@ buffer and re-links ``p.grad`` (``step()`` checks the links once more).
 
 Precision: ``precision="fp32"`` (default) keeps weights, gradients and
 moments in fp32 with no separate master copy (8 optimizer bytes/param), so a
-run can be compared with ``torch.optim.AdamW`` exactly. ``"bf16"`` or
+run can be compared with ``torch.optim.AdamW`` op for op. Equal to what? To
+DDP's recipe on the same ranks, bitwise on 2 ranks. Not to one process on
+the global batch: that process sums the per-example gradients in one
+reduction, N ranks sum B examples each and then the N partial sums, and fp32
+addition is not associative. The two agree to fp32 rounding carried through
+AdamW, not bit for bit (FSDP2 behaves the same way); ``tests/test_zero.py``
+derives that bound against a float64 run. ``"bf16"`` or
 ``"fp16"`` is the paper's setting: 16-bit working weights and gradients
 (also communicated in 16 bits), fp32 master weights and moments (12
 bytes/param). There is no loss scaling here; fp16 in production needs it.

@@ -1,4 +1,16 @@
-"""ZeRO stages 0-3 against torch.optim.AdamW, the memory formula and the ring cost model."""
+"""ZeRO stages 0-3 against torch.optim.AdamW, the memory formula and the ring cost model.
+
+How close is "equal"? N ranks and one process on the global batch sum the
+per-example gradients in different orders, so in fp32 they cannot be bitwise
+equal (one process adds B*N examples in one reduction; N ranks add B each,
+then the collective adds the N partial sums). Where the arithmetic is the same
+(2 ranks against DDP's recipe: a + b is commutative in IEEE) we ask for exact
+equality. Elsewhere every fp32 run is compared, element by element, with one
+process in float64 on the global batch, within ``_F64Reference.bound``: the
+rounding of the fp32 gradient carried through AdamW, derived below. Nothing
+is tuned to one CPU: the bound scales with the fp32 unit roundoff and the
+reference's own gradients and second moments.
+"""
 
 import copy
 
@@ -34,6 +46,71 @@ def _model_with_extras():
     return model
 
 
+U32 = 2.0 ** -24  # fp32 unit roundoff: one rounding changes x by at most U32 * |x|
+
+
+class _F64Reference:
+    """One process, float64, torch's AdamW on the global batch, and for every
+    element the bound on how far an fp32 run of the same training may land.
+
+    Per step t and element i, an fp32 gradient differs from the exact one by
+    Delta_t <= K * U32 * A_t, with A_t the largest |gradient| of the tensor in
+    any step so far (the size of the terms being summed) and K the number of
+    tokens summed in that gradient (the (n - 1) u bound of a sum of n terms,
+    Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., sec. 4.2,
+    eq. 4.4; the margin also covers the rounding inside each term and the
+    small feedback of earlier weight errors through the next gradient).
+    AdamW turns a gradient error Delta into an update error of at most
+    2 * lr * Delta / (sqrt(v_hat) - Delta + eps): m_hat moves by <= Delta and
+    sqrt(v_hat) by <= Delta (bias-corrected averages whose weights sum to 1),
+    and |m_hat| <= sqrt(v_hat); never more than 2 * lr (two steps of opposite
+    sign, the most an update can differ by for |m_hat| <= sqrt(v_hat)). The
+    weight update itself rounds 3 times: + 3 * U32 * |w|. Summed over the
+    steps, this is the bound for element i. It is tight (~lr) only where the
+    exact gradient is ~0 (attention's key bias, whose exact gradient is 0) and
+    some 1e-9..1e-6 elsewhere, while a lost step or micro-batch moves every
+    element by ~lr = 1e-3: ``check_rejects_lost_step`` shows the bound
+    catches that. ``unit`` is the unit roundoff of the dtype the gradients are
+    computed in (2**-8 for bf16: a loose bound, "it trains").
+    """
+
+    def __init__(self, base, batches, lr=LR, unit=U32):
+        ref = copy.deepcopy(base).double()
+        params = dict((n, p) for n, p in ref.named_parameters() if p.requires_grad)
+        opt = torch.optim.AdamW(params.values(), lr=lr, foreach=False)
+        beta2, eps = opt.defaults["betas"][1], opt.defaults["eps"]
+        self.bound = {n: torch.zeros_like(p) for n, p in params.items()}
+        scale = dict.fromkeys(params, 0.0)  # A: largest |grad| of each tensor so far
+        for t, (x, y) in enumerate(batches, 1):
+            ref(x, y)[1].backward()
+            _zero_missing_grads(ref)
+            k = x.numel()  # tokens in the global batch: terms in each gradient sum
+            self.before_last = {n: p.detach().clone() for n, p in params.items()}
+            opt.step()
+            with torch.no_grad():
+                for n, p in params.items():
+                    scale[n] = max(scale[n], p.grad.abs().max().item())
+                    delta = k * unit * scale[n]
+                    v_hat = opt.state[p]["exp_avg_sq"] / (1 - beta2 ** t)
+                    adam = 2 * lr * delta / ((v_hat.sqrt() - delta).clamp(min=0) + eps)
+                    self.bound[n] += adam.clamp(max=2 * lr) + 3 * U32 * p.abs()
+            opt.zero_grad()
+        self.weights = {n: p.detach() for n, p in params.items()}
+
+    def excess(self, full, other=None, times=1.0):
+        """max over elements of |full - other| / (times * bound), ``other`` being
+        the float64 reference by default: <= 1 means within the bound. Two fp32
+        runs each within the bound of the reference differ by <= 2 bounds
+        (``times=2``)."""
+        other = self.weights if other is None else other
+        return max(((full[n].double() - other[n].double()).abs()
+                    / (times * self.bound[n])).max().item() for n in self.weights)
+
+    def check_rejects_lost_step(self):
+        """A plausible wrong answer (the last step lost) must break the bound."""
+        assert self.excess(self.before_last) > 1, "the bound cannot tell a lost step"
+
+
 def _zero_missing_grads(*models):
     # ZeroOptimizer updates a parameter that got no gradient as if its
     # gradient were zero (weight decay still applies); torch.optim would skip
@@ -50,50 +127,48 @@ SMALL_CAP_MB = 2000 * 4 / 2**20
 
 
 def _equivalence(stages, precision="fp32"):
-    """On every rank: ZeRO stage s vs (a) one process on the global batch and
-    (b) DDP's recipe in the same rank (all-reduce of grad / N, then AdamW).
-    Stage "2b" is stage 2 with many small buckets."""
+    """On every rank: ZeRO stage s vs (a) one process in float64 on the global
+    batch and (b) DDP's recipe in the same rank (all-reduce of grad / N, then
+    AdamW). Stage "2b" is stage 2 with many small buckets."""
     r = rank_info()
     N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
     batches = _batches(N)
+    base = _model_with_extras()  # (its extra layers draw from the global RNG: build once)
+    reference = _F64Reference(base, batches)
+    reference.check_rejects_lost_step()
     out = {}
     for key in stages:
         stage = 2 if key == "2b" else key
         cap = SMALL_CAP_MB if key == "2b" else 25.0
-        base = _model_with_extras()
-        single, ddp_ref = copy.deepcopy(base), copy.deepcopy(base)
-        model = copy.deepcopy(base)
+        ddp_ref, model = copy.deepcopy(base), copy.deepcopy(base)
         # Rank-specific init: ZeroOptimizer must broadcast rank 0's weights,
         # frozen ones and buffers included.
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 t.add_(r.rank)
         opt = ZeroOptimizer(model, stage, lr=LR, precision=precision, bucket_cap_mb=cap)
-        o_single = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad],
-                                     lr=LR, foreach=False)
         o_ddp = torch.optim.AdamW([p for p in ddp_ref.parameters() if p.requires_grad],
                                   lr=LR, foreach=False)
         for x, y in batches:
             model(x[lo:hi], y[lo:hi])[1].backward()
-            single(x, y)[1].backward()
             ddp_ref(x[lo:hi], y[lo:hi])[1].backward()
             for p in ddp_ref.parameters():
                 if p.grad is not None:
                     p.grad.div_(N)
                     dist.all_reduce(p.grad)
-            _zero_missing_grads(single, ddp_ref)
+            _zero_missing_grads(ddp_ref)
             opt.step()
-            o_single.step(); o_ddp.step()
-            o_single.zero_grad(); o_ddp.zero_grad(); opt.zero_grad()
+            o_ddp.step()
+            o_ddp.zero_grad(); opt.zero_grad()
         full = opt.full_parameters()
-        named = dict(single.named_parameters())
-        d_single = max((full[n] - named[n]).abs().max().item() for n in full)
         named = dict(ddp_ref.named_parameters())
         d_ddp = max((full[n] - named[n]).abs().max().item() for n in full)
         frozen_same = (torch.equal(model.frozen.weight, base.frozen.weight)
                        and torch.equal(model.stat, base.stat))
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        out[key] = dict(single=d_single, ddp=d_ddp, frozen_same=frozen_same, n=n,
+        out[key] = dict(single=reference.excess(full), ddp=d_ddp,
+                        ddp_excess=reference.excess(full, named, times=2),
+                        frozen_same=frozen_same, n=n,
                         comm=opt.comm_bytes(), state=opt.state_bytes(),
                         buckets=len(opt.partition.buckets))
     return out
@@ -105,21 +180,19 @@ def test_stages_equal_adamw_on_global_batch(world_size):
     results = launch(_equivalence, world_size, [0, 1, 2, "2b", 3], timeout=120)
     assert results[0]["2b"]["buckets"] >= 10, results[0]["2b"]["buckets"]
     for stage, res in results[0].items():
-        # One process on the global batch sums the per-example gradients in a
-        # different order than N ranks do (each rank a batch of B, then a sum
-        # over ranks), so the gradients differ by fp32 rounding (~1e-7 rel.).
-        # After 3 AdamW steps of lr 1e-3 the weights differ by far less than
-        # one step (1e-3); we allow 2e-6, i.e. 0.2% of a step.
-        assert res["single"] < 2e-6, (stage, res["single"])
+        # One process on the global batch sums the per-example gradients in
+        # another order than N ranks do (each rank B examples, then a sum over
+        # ranks), so in fp32 exact equality cannot hold: the bound is the fp32
+        # rounding carried through AdamW (_F64Reference).
+        assert res["single"] <= 1, (stage, res["single"])
         if world_size == 2:
             # Same reduction as DDP (a + b is commutative in IEEE), same AdamW
             # operations: bitwise equal.
             assert res["ddp"] == 0.0, (stage, res["ddp"])
         else:
-            # Gloo's reduce-scatter and all-reduce may sum 3-4 terms in
-            # different orders: rounding only, the same 0.2% of a step as
-            # above (torch 2.11's gloo gave 1.04e-6 at 3 ranks).
-            assert res["ddp"] < 2e-6, (stage, res["ddp"])
+            # Gloo may sum 3-4 terms in another order in a reduce-scatter than
+            # in an all-reduce: two fp32 runs, each within the bound.
+            assert res["ddp_excess"] <= 1, (stage, res["ddp_excess"])
     # every rank started from rank 0's frozen weights and buffers
     assert all(res["frozen_same"] for rr in results for res in rr.values())
     # fp32 state bytes on every rank, and communication volume per stage
@@ -157,14 +230,17 @@ def _check_bytes(res, world_size, bytes_per_param):
         for stage, (n, measured, comm) in rank_res.items():
             want = model_state_bytes(n, dp=world_size, zero_stage=stage, param_bytes=pb,
                                      grad_bytes=gb, optimizer_bytes=ob)
+            # Padding: at most N-1 elements per bucket, and the toy GPT has at most
+            # 16 buckets here (stage 3: 15 modules own parameters; stage 2: one
+            # 25 MB bucket), against n / N elements of a rank's shard.
+            padding = 16 * (world_size - 1) / (n / world_size)
             for part in ("params", "grads", "optimizer"):
-                # padding: at most N-1 elements per bucket (15 buckets in stage 3)
-                assert abs(getattr(measured, part) / getattr(want, part) - 1) < 0.01, \
+                assert abs(getattr(measured, part) / getattr(want, part) - 1) <= padding, \
                     (stage, part, getattr(measured, part), getattr(want, part))
         comm = {s: res[0][s][2] for s in range(4)}
         dp = comm[0]["total"]
         # Stages 1-2: reduce-scatter + all-gather = one all-reduce (ZeRO sec. 7.2.1);
-        # padding adds < 0.1%.
+        # padding adds <= N-1 elements of ~28,500 (one bucket): < 0.1%.
         assert comm[1]["total"] == pytest.approx(dp, rel=1e-3)
         assert comm[2]["total"] == pytest.approx(dp, rel=1e-3)
         # Stage 3: two all-gathers + one reduce-scatter = 1.5x (sec. 7.2.2). The
@@ -270,7 +346,9 @@ def _stage3_knobs(prefetch, reuse, reduce):
                          comm=opt.comm_bytes()["total"], full=opt.full_parameters()))
     plain, knobs = runs
     diff = max((plain["full"][n] - knobs["full"][n]).abs().max().item() for n in plain["full"])
-    return dict(diff=diff, plain=plain["comms"], knobs=knobs["comms"], units=plain["units"],
+    reference = _F64Reference(base, _batches(r.world_size, steps=4))
+    excess = reference.excess(knobs["full"], plain["full"], times=2)
+    return dict(diff=diff, excess=excess, plain=plain["comms"], knobs=knobs["comms"], units=plain["units"],
                 held=knobs["held"], bytes=(plain["comm"], knobs["comm"]))
 
 
@@ -279,7 +357,13 @@ def test_stage3_prefetch_and_reduce_buckets_same_result_fewer_collectives(world_
     # DeepSpeed's defaults (5e7, 1e9, 5e8 elements): the toy GPT fits in one of each
     for res in launch(_stage3_knobs, world_size, 5 * 10**7, 10**9, 5 * 10**8, timeout=120):
         # 2 ranks: every element is the same sum of two numbers: bitwise equal.
-        assert res["diff"] <= (0.0 if world_size == 2 else 1e-6), res["diff"]
+        # 3 ranks: a coalesced reduce-scatter cuts the ring's chunks elsewhere, so
+        # gloo may add the 3 terms in another order: two fp32 runs, each within
+        # the rounding bound of the float64 run (_F64Reference).
+        if world_size == 2:
+            assert res["diff"] == 0.0, res["diff"]
+        else:
+            assert res["excess"] <= 1, res["excess"]
         # per unit: gather, re-gather for backward, reduce-scatter; +1: the tied
         # embedding/head weight is gathered again for the head
         assert res["plain"] == 3 * res["units"] + 1
@@ -316,22 +400,20 @@ LOOPS = ("opt.zero_grad first", "model.zero_grad first", "no zero_grad", "2 micr
 
 
 def _loops(configs, steps=3):
-    """Each (stage, loop) trains with ZeroOptimizer and returns max |w - w_AdamW|,
-    the reference being one process with torch's AdamW on the global batch."""
+    """Each (stage, loop) trains with ZeroOptimizer and returns how far its weights
+    land from one process in float64 on the global batch, in units of the fp32
+    rounding bound (``_F64Reference``: <= 1 is within it)."""
     r = rank_info()
     N = r.world_size
     ds = make_dataset(num_sequences=64, seq_len=16)
-    out = {}
+    out, references = {}, {}
     for stage, loop in configs:
         M = 2 if loop == "2 micro-batches" else 1  # micro-batches per rank per step
         G = N * M * B                              # global batch
         batches = [ds.batch(list(range(s * G, (s + 1) * G))) for s in range(steps)]
-        single = build_model("toy", seed=0)
-        o_single = torch.optim.AdamW(single.parameters(), lr=LR, foreach=False)
-        for x, y in batches:
-            single(x, y)[1].backward()
-            o_single.step()
-            o_single.zero_grad()
+        if M not in references:
+            references[M] = _F64Reference(build_model("toy", seed=0), batches)
+            references[M].check_rejects_lost_step()
         model = build_model("toy", seed=0)
         cap = SMALL_CAP_MB if stage == 2 else 25.0  # stage 2: several buckets in flight
         opt = ZeroOptimizer(model, stage, lr=LR, bucket_cap_mb=cap)
@@ -344,9 +426,7 @@ def _loops(configs, steps=3):
                 lo = (r.rank * M + m) * B  # this rank's m-th micro-batch of the global batch
                 (model(x[lo:lo + B], y[lo:lo + B])[1] / M).backward()
             opt.step()
-        full = opt.full_parameters()
-        ref = dict(single.named_parameters())
-        out[(stage, loop)] = max((full[n] - ref[n]).abs().max().item() for n in full)
+        out[(stage, loop)] = references[M].excess(opt.full_parameters())
     return out
 
 
@@ -357,12 +437,12 @@ def test_training_loops_and_gradient_accumulation_equal_adamw():
     per step (gradient accumulation), each equal to AdamW on the global batch."""
     configs = [(s, loop) for s in range(4) for loop in LOOPS]
     for res in launch(_loops, 2, configs, timeout=120):
-        for (stage, loop), diff in res.items():
-            # Same bound as the main equivalence test: fp32 rounding of a
-            # different summation order (the micro-batch losses are added as
-            # l1/2 + l2/2), <= 0.2% of one AdamW step after 3 steps. A lost
-            # micro-batch or a lost step moves weights by ~lr = 1e-3.
-            assert diff < 2e-6, (stage, loop, diff)
+        for (stage, loop), excess in res.items():
+            # Within the fp32 rounding bound of the float64 run (the micro-batch
+            # losses are added as l1/2 + l2/2, another summation order again).
+            # A lost micro-batch or a lost step moves weights by ~lr = 1e-3,
+            # far outside it (check_rejects_lost_step).
+            assert excess <= 1, (stage, loop, excess)
 
 
 def _stage2_overlap():
@@ -398,65 +478,54 @@ def test_stage2_buckets_are_reduce_scattered_during_backward():
 MP_STEPS = 10
 
 
-def _without_key_bias(name, t):
-    """Drop attention's key bias (the middle third of c_attn.bias): its exact
-    gradient is 0 (q . b_k adds the same number to every score of a row, and
-    softmax ignores that), so each run moves it by Adam-amplified rounding
-    noise of size ~lr per step, which says nothing about precision."""
-    if name.endswith("attn.c_attn.bias"):
-        h = t.numel() // 3
-        return torch.cat([t[:h], t[2 * h:]])
-    return t
-
-
 def _mixed_precision(precision):
+    """Every stage in 16-bit vs the mixed-precision recipe written out in the
+    same rank: 16-bit forward/backward, gradient / N and all-reduce in 16 bits
+    (DDP's recipe), torch's AdamW on fp32 master weights, the new weights
+    rounded back to 16 bits for the next forward (Micikevicius et al. 2018,
+    "Mixed Precision Training", sec. 3.1)."""
     r = rank_info()
-    N = r.world_size
+    N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
     base = build_model("toy", seed=0).to(PRECISIONS[precision])
-    # The fp32 reference starts from the same (16-bit-rounded) weights.
-    ref = copy.deepcopy(base).float()
-    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    recipe = copy.deepcopy(base)
+    masters = {n: p.detach().float().clone().requires_grad_() for n, p in recipe.named_parameters()}
+    o_ref = torch.optim.AdamW(masters.values(), lr=LR, foreach=False)
     batches = _batches(N, steps=MP_STEPS)
     for x, y in batches:
-        ref(x, y)[1].backward()
-        o_ref.step()
-        o_ref.zero_grad()
+        recipe(x[lo:hi], y[lo:hi])[1].backward()
+        with torch.no_grad():
+            for n, p in recipe.named_parameters():
+                p.grad.div_(N)
+                dist.all_reduce(p.grad)  # in 16 bits, as the ZeRO paper communicates them
+                masters[n].grad = p.grad.float()
+                p.grad = None
+            o_ref.step()
+            for n, p in recipe.named_parameters():
+                p.copy_(masters[n])  # fp32 -> 16-bit working copy
     out = {}
     for stage in range(4):
         model = copy.deepcopy(base)
         opt = ZeroOptimizer(model, stage, lr=LR, precision=precision)
         for x, y in batches:
-            model(x[r.rank * B:(r.rank + 1) * B], y[r.rank * B:(r.rank + 1) * B])[1].backward()
+            model(x[lo:hi], y[lo:hi])[1].backward()
             opt.step()
         full = opt.full_parameters()  # the fp32 master weights
-        err = sum((_without_key_bias(n, full[n] - p) ** 2).sum()
-                  for n, p in ref.named_parameters()) ** 0.5
-        moved = sum((_without_key_bias(n, p - w0[n]) ** 2).sum()
-                    for n, p in ref.named_parameters()) ** 0.5
-        out[stage] = dict(rel=(err / moved).item(), full=full,
-                          working=next(model.parameters()).dtype)
+        out[stage] = dict(same=[n for n in full if torch.equal(full[n], masters[n].detach())],
+                          names=list(full), working=next(model.parameters()).dtype)
     return out
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_training_tracks_fp32(precision):
+def test_mixed_precision_equals_the_recipe(precision):
     res = launch(_mixed_precision, 2, precision, timeout=120)[0]
     for stage, v in res.items():
         assert v["working"] == PRECISIONS[precision]
-        # Tolerance: forward and backward in 16 bits round activations and
-        # gradients to 8 (bf16) or 11 (fp16) significant bits, so the updates
-        # differ a little from fp32's. Measured after 10 steps: the distance
-        # between the two runs' weights is ~2.4% (bf16) and ~0.8% (fp16) of the
-        # distance the fp32 run travelled (2 ranks); we allow 5%. Updating 16-bit weights
-        # without the fp32 master (each step rounded back to 16 bits: lr = 1e-3
-        # is below bf16's spacing near 1, so LayerNorm gains barely move)
-        # measures ~8% and fails.
-        assert v["rel"] < 0.05, (stage, v["rel"])
-        # 2 ranks: every reduction is a + b in 16 bits, the same in every
-        # stage, and AdamW runs on the same fp32 numbers: bitwise equal.
-        for n, w in v["full"].items():
-            assert torch.equal(w, res[0]["full"][n]), (stage, n)
+        # 2 ranks: the same 16-bit forward and backward, every reduction a + b in
+        # 16 bits, AdamW on the same fp32 numbers (adamw_update is torch's, op for
+        # op): bitwise equal, in every stage. Updating the 16-bit weights without
+        # fp32 master weights (lr = 1e-3 is below bf16's spacing near 1, so
+        # LayerNorm gains would not move) or reducing in fp32 would differ.
+        assert v["same"] == v["names"], (stage, sorted(set(v["names"]) - set(v["same"])))
 
 
 # --------------------------------------------------------------------------
@@ -503,34 +572,31 @@ def test_every_buffer_on_the_parameters_device():
 
 def _on_gpu():
     """World size 1 on nccl: every stage (fp32 and bf16) on the rank's GPU vs
-    torch's AdamW on the same GPU."""
+    one process in float64 on the same GPU."""
     r = rank_info()
     x, y = (t.to(r.device) for t in _batches(1)[0])
     out = {}
-    for stage in range(4):
-        for precision in ("fp32", "bf16"):
-            model = build_model("toy", seed=0).to(r.device, PRECISIONS[precision])
-            ref = copy.deepcopy(model).float()
+    for precision, unit in (("fp32", U32), ("bf16", 2.0 ** -8)):
+        base = build_model("toy", seed=0).to(r.device, PRECISIONS[precision])
+        reference = _F64Reference(base, [(x, y)] * 2, unit=unit)
+        for stage in range(4):
+            model = copy.deepcopy(base)
             opt = ZeroOptimizer(model, stage, lr=LR, precision=precision)
-            ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
             for _ in range(2):
                 model(x, y)[1].backward(); opt.step()
-                ref(x, y)[1].backward(); ropt.step(); ropt.zero_grad()
             full = opt.full_parameters()
             devices = {t.device.type for t in full.values()} | {p.device.type for p in
                                                                 model.parameters()}
-            named = dict(ref.named_parameters())
-            out[(stage, precision)] = (devices, max((full[n] - named[n]).abs().max().item()
-                                                    for n in full))
+            out[(stage, precision)] = (devices, reference.excess(full))
     return out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_world_size_one_on_gpu_with_nccl():
-    for (stage, precision), (devices, diff) in launch(_on_gpu, 1, backend="nccl",
-                                                      timeout=120)[0].items():
+    for (stage, precision), (devices, excess) in launch(_on_gpu, 1, backend="nccl",
+                                                        timeout=120)[0].items():
         assert devices == {"cuda"}, (stage, precision, devices)
-        # fp32: the same kernels as torch's AdamW (GPU matmuls may pick other
-        # algorithms across the two models: allow rounding); bf16: see the
-        # mixed-precision test, here only "it trains on the GPU".
-        assert diff < (1e-5 if precision == "fp32" else 5e-3), (stage, precision, diff)
+        # GPU kernels sum in their own orders (the embedding's backward uses
+        # atomics): within the rounding bound of the float64 run, with the unit
+        # roundoff of the dtype the gradients are computed in.
+        assert excess <= 1, (stage, precision, excess)
