@@ -135,6 +135,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Iterable
 
 import torch
@@ -309,6 +310,8 @@ class ZeroOptimizer:
     over the group, so N ranks on N slices equal one process on the global
     batch. Construction broadcasts rank 0's weights (and frozen parameters and
     buffers), so ranks may start from different initializations.
+    ``remove_hooks()`` unwraps the model; wrapping a model that is still
+    wrapped is refused (its old hooks would keep firing).
     """
 
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3,
@@ -334,9 +337,17 @@ class ZeroOptimizer:
                 raise ValueError(f"{name} must be an int >= 0 (elements; 0 = off), got {value!r}")
             if value and stage != 3:
                 raise ValueError(f"{name} is a stage-3 knob; stage {stage} got {value}")
+        wrapped_by = getattr(model, "_zero_optimizer", lambda: None)()
+        if wrapped_by is not None and wrapped_by._hooks:
+            raise ValueError(
+                f"this model is still wrapped by a ZeroOptimizer (stage {wrapped_by.stage}), whose "
+                f"hooks would keep firing on every backward and corrupt training (re-running a "
+                f"notebook cell wraps the model again): call remove_hooks() on that optimizer "
+                f"first")
         self.prefetch_bucket_numel, self.max_reuse_numel = prefetch_bucket_numel, max_reuse_numel
         self.reduce_bucket_numel = reduce_bucket_numel
         self.model, self.stage, self.group = model, stage, process_group
+        self._hooks: list = []  # every hook handle: remove_hooks() takes them all out
         self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.dtype = PRECISIONS[precision]
@@ -386,6 +397,27 @@ class ZeroOptimizer:
             else:
                 self._setup_stage3()
         self._comm = {}
+        # A weak reference: the model does not keep a removed optimizer alive.
+        model._zero_optimizer = weakref.ref(self)
+
+    @torch.no_grad()
+    def remove_hooks(self) -> None:
+        """Unwrap the model: take out every hook this optimizer registered, so the
+        model can be trained plainly or wrapped again. Stage 3 first gathers the
+        full weights and gives each parameter its own storage again (a
+        collective: call on every rank). Gradients not yet stepped are dropped."""
+        if self.stage == 3 and self._hooks:
+            for bi in range(len(self.partition.buckets)):
+                self._ensure_gathered(bi)
+            for p in self.params:
+                p.data = p.detach().clone()  # out of the unit's storage, which is freed
+            for bi in range(len(self.partition.buckets)):
+                _free(self.unit_full[bi])
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p in self.params:
+            p.grad = None
 
     # ---------------------------------------------------------------- setup
     def _module_groups(self) -> list[list[int]]:
@@ -454,7 +486,7 @@ class ZeroOptimizer:
                     view = self.flat_grad[b.start + off:b.start + off + p.numel()].view_as(p)
                     self._grad_views[i] = p.grad = view
             for i, p in enumerate(self.params):
-                p.register_post_accumulate_grad_hook(self._relink_grad(i))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._relink_grad(i)))
         else:
             self.grad_shard = self._zeros(part.shard_numel)
             self._install_grad_hooks()
@@ -499,11 +531,10 @@ class ZeroOptimizer:
         for bi, b in enumerate(part.buckets):
             for i in b.params:
                 owner[id(self.params[i])] = bi
-        self._hook_handles = []
         for module, own, tied in self._module_units:
             units = sorted(set(own) | {owner[t] for t in tied})
-            self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
-            self._hook_handles.append(module.register_forward_hook(self._post_forward(units)))
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            self._hooks.append(module.register_forward_hook(self._post_forward(units)))
         self._install_grad_hooks()
 
     # ------------------------------------------------------- stage 3 gather/free
@@ -650,7 +681,7 @@ class ZeroOptimizer:
         self._ready = [0] * len(self.partition.buckets)
         self._launched = [False] * len(self.partition.buckets)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._callback_queued:

@@ -600,3 +600,53 @@ def test_world_size_one_on_gpu_with_nccl():
         # atomics): within the rounding bound of the float64 run, with the unit
         # roundoff of the dtype the gradients are computed in.
         assert excess <= 1, (stage, precision, excess)
+
+
+# --------------------------------------------------------------------------
+# Wrapping again: a notebook cell re-run.
+# --------------------------------------------------------------------------
+
+def _rewrap(first_stage):
+    """Stage ``first_stage`` for one step, remove_hooks(), then stage 0 on the same
+    model for two steps vs torch's AdamW from the same weights: max |difference|."""
+    r = rank_info()
+    lo, hi = r.rank * B, (r.rank + 1) * B
+    batches = _batches(r.world_size)
+    model = build_model("toy", seed=0)
+    first = ZeroOptimizer(model, first_stage, lr=LR)
+    x, y = batches[0]
+    model(x[lo:hi], y[lo:hi])[1].backward()
+    first.step()
+    first.remove_hooks()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(model, 0, lr=LR)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    for x, y in batches[1:]:
+        model(x[lo:hi], y[lo:hi])[1].backward()
+        opt.step()
+        ref(x[lo:hi], y[lo:hi])[1].backward()
+        for p in ref.parameters():  # DDP's recipe: the same arithmetic on 2 ranks
+            p.grad.div_(r.world_size)
+            dist.all_reduce(p.grad)
+        o_ref.step()
+        o_ref.zero_grad()
+    full, named = opt.full_parameters(), dict(ref.named_parameters())
+    return max((full[n] - named[n]).abs().max().item() for n in full)
+
+
+def test_remove_hooks_then_wrap_again_equals_adamw():
+    # Old hooks left in place add the stage-2 reduce-scatter (or stage 3's
+    # gathers) to every later step: the weights would be off by ~lr per step.
+    # With them removed, stage 0 on 2 ranks is DDP's recipe, bitwise.
+    for res in launch(_rewrap, 2, 2, timeout=120) + launch(_rewrap, 2, 3, timeout=120):
+        assert res == 0.0, res
+
+
+def test_wrapping_a_wrapped_model_is_refused():
+    model = build_model("toy", seed=0)
+    opt = ZeroOptimizer(model, 2)
+    with pytest.raises(ValueError, match=r"still wrapped by a ZeroOptimizer \(stage 2\).*"
+                                         r"remove_hooks\(\)"):
+        ZeroOptimizer(model, 0)
+    opt.remove_hooks()
+    ZeroOptimizer(model, 0)  # unwrapped: fine
