@@ -141,6 +141,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
 
 from helpers.memory import ModelStateBytes
 from helpers.overlap import record_comm, wait_comm
@@ -279,6 +281,28 @@ def _check_betas(betas) -> None:
     if not ok:
         raise ValueError(f"betas must be two floats in [0, 1) (beta1 for the mean, beta2 for "
                          f"the mean square of the gradient), got {betas!r}")
+
+
+# Modules whose forward reads their children's parameters without calling the
+# children (nn.MultiheadAttention passes out_proj.weight to a functional): one
+# stage-3 unit for the whole subtree. DeepSpeed's set_z3_leaf_modules does the same.
+LEAF_MODULES: tuple[type, ...] = (nn.MultiheadAttention,)
+
+
+def _unit_modules(model: nn.Module):
+    """The model's modules in pre-order, each once, without descending into a
+    module of ``LEAF_MODULES``."""
+    seen: set[int] = set()
+
+    def walk(module):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield module
+        if not isinstance(module, LEAF_MODULES):
+            for child in module.children():
+                yield from walk(child)
+    return walk(model)
 
 
 def _free(t: torch.Tensor) -> None:
@@ -421,14 +445,15 @@ class ZeroOptimizer:
 
     # ---------------------------------------------------------------- setup
     def _module_groups(self) -> list[list[int]]:
-        """Stage 3: one bucket per module that directly owns trainable params."""
+        """Stage 3: one bucket per module that directly owns trainable params (a
+        module of ``LEAF_MODULES`` owns its whole subtree's)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         groups, seen = [], set()
         self._module_units: list[tuple[nn.Module, list[int]]] = []
-        for module in self.model.modules():
+        for module in _unit_modules(self.model):
             mine = []
             units_needed = []
-            for p in module.parameters(recurse=False):
+            for p in module.parameters(recurse=isinstance(module, LEAF_MODULES)):
                 if id(p) not in index:
                     continue
                 if id(p) not in seen:
@@ -662,8 +687,13 @@ class ZeroOptimizer:
         def hook(module, args, out):
             for bi in units:
                 self._release(bi)
-            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(pre_backward)
+            # The output may be any pytree (nn.MultiheadAttention returns a tuple):
+            # one hook over all its tensors that need a gradient, fired by the first
+            # gradient that reaches any of them (FSDP2 does the same).
+            outputs = [t for t in tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if torch.is_grad_enabled() and outputs:
+                register_multi_grad_hook(outputs, pre_backward, mode="any")
             return None
 
         def pre_backward(grad):

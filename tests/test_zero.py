@@ -650,3 +650,59 @@ def test_wrapping_a_wrapped_model_is_refused():
         ZeroOptimizer(model, 0)
     opt.remove_hooks()
     ZeroOptimizer(model, 0)  # unwrapped: fine
+
+
+# --------------------------------------------------------------------------
+# Stage 3 on modules that are not the course's GPT.
+# --------------------------------------------------------------------------
+
+class _AttentionNet(torch.nn.Module):
+    """nn.MultiheadAttention returns a tuple (output, attention weights) and reads
+    out_proj.weight without calling out_proj: both trip a stage 3 that expects one
+    Tensor out of each module, each module calling its children."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, d)
+        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        h, weights = self.attn(h, h, h)  # (batch, seq, d), (batch, seq, seq)
+        logits = self.head(h + weights.sum(-1, keepdim=True))  # both outputs get gradients
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _attention_net_vs_adamw(stage):
+    """ZeroOptimizer on _AttentionNet vs DDP's recipe (grad / N, all-reduce, AdamW):
+    max |difference| of the weights after 3 steps."""
+    r = rank_info()
+    N = r.world_size
+    torch.manual_seed(0)
+    base = _AttentionNet()
+    data = [(torch.randn(2 * N, 5, 4), torch.randint(0, 3, (2 * N, 5))) for _ in range(3)]
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt = ZeroOptimizer(model, stage, lr=LR)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    lo, hi = 2 * r.rank, 2 * r.rank + 2
+    for x, y in data:
+        model(x[lo:hi], y[lo:hi])[1].backward()
+        opt.step()
+        ref(x[lo:hi], y[lo:hi])[1].backward()
+        if N > 1:
+            for p in ref.parameters():
+                p.grad.div_(N)
+                dist.all_reduce(p.grad)
+        o_ref.step()
+        o_ref.zero_grad()
+    full, named = opt.full_parameters(), dict(ref.named_parameters())
+    return max((full[n] - named[n]).abs().max().item() for n in named)
+
+
+def test_stage3_module_returning_a_tuple_equals_adamw():
+    # World size 1: torch's AdamW on the same gradients, bitwise. 2 ranks: DDP's
+    # recipe, every reduction a + b: bitwise too.
+    assert _attention_net_vs_adamw(3) == 0.0
+    for res in launch(_attention_net_vs_adamw, 2, 3, timeout=120):
+        assert res == 0.0, res
