@@ -372,6 +372,7 @@ class ZeroOptimizer:
         self.reduce_bucket_numel = reduce_bucket_numel
         self.model, self.stage, self.group = model, stage, process_group
         self._hooks: list = []  # every hook handle: remove_hooks() takes them all out
+        self._grad_chunks = None  # this step's averaged gradient chunks, once reduced
         self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.dtype = PRECISIONS[precision]
@@ -808,15 +809,16 @@ class ZeroOptimizer:
         self._comm[op] = self._comm.get(op, 0.0) + ring_bytes_sent(op, nbytes, self.world)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's shard with the gradients accumulated since the last
-        step, then zero those gradients (see "Gradients" in the module docstring)."""
+    def _averaged_grad_chunks(self) -> list[torch.Tensor]:
+        """This rank's chunk of the averaged gradient, one per bucket. Stages 2-3
+        have it since backward; stages 0-1 reduce now (once per step: the result
+        is kept for ``step()``, so clipping first costs no second reduction)."""
+        if self._grad_chunks is not None:
+            return self._grad_chunks
         part = self.partition
-        self.step_count += 1
         if self.stage < 2:
             for i in range(len(self.params)):
                 self._link_grad(i)  # every p.grad a view of flat_grad again
-        # 1. Averaged gradient of this rank's chunks, per bucket.
         if self.stage == 0:
             if self.world > 1:
                 self.flat_grad.div_(self.world)
@@ -837,6 +839,46 @@ class ZeroOptimizer:
         else:  # stages 2-3: reduce-scattered and summed into the shard during backward
             grad_chunks = [self.grad_shard[b.shard_start:b.shard_start + b.chunk]
                            for b in part.buckets]
+        self._grad_chunks = grad_chunks
+        return grad_chunks
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradient so its global L2 norm is at most ``max_norm``;
+        return the norm before clipping (fp32). Call between backward and step().
+
+        Each rank holds only its chunks, so the norm is sqrt of the all-reduced
+        sum of every rank's squared chunk norms (padding is zero and adds
+        nothing); every rank then scales by the same factor
+        ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
+        does. ``clip_grad_norm_`` on ``model.parameters()`` would see only this
+        rank's local (stages 0-1) or missing (stages 2-3) gradients, so ranks
+        would clip by different factors. Stages 0-1 average here rather than in
+        ``step()``; the all-reduce of one number is the only extra traffic."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        chunks = self._averaged_grad_chunks()
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for c in chunks:
+            squares += c.float().pow(2).sum()
+        if self.shards > 1:
+            dist.all_reduce(squares, group=self.group)  # sum over ranks' chunks
+            self._count("all_reduce", squares.element_size())
+        norm = squares.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for c in chunks:
+            c.mul_(coef.to(c.dtype))
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's shard with the gradients accumulated since the last
+        step, then zero those gradients (see "Gradients" in the module docstring)."""
+        part = self.partition
+        self.step_count += 1
+        # 1. Averaged gradient of this rank's chunks, per bucket.
+        grad_chunks = self._averaged_grad_chunks()
+        self._grad_chunks = None  # consumed by this step
         if self.stage == 3:
             # Weights gathered ahead of a request that never came would be stale
             # after this update: drop them. The trace is complete after step 1.
@@ -869,6 +911,7 @@ class ZeroOptimizer:
         Stages 0-1 keep ``p.grad`` as views of their flat buffer and zero it
         (``set_to_none`` is ignored: the buffer is reused); stages 2-3 zero the
         gradient shard (``p.grad`` is already None there)."""
+        self._grad_chunks = None
         if self.stage < 2:
             self.flat_grad.zero_()
             for p, view in zip(self.params, self._grad_views):

@@ -70,14 +70,16 @@ class _F64Reference:
     exact gradient is ~0 (attention's key bias, whose exact gradient is 0) and
     some 1e-9..1e-6 elsewhere, while a lost step or micro-batch moves every
     element by ~lr = 1e-3: ``check_rejects_lost_step`` shows the bound
-    catches that. ``unit`` is the unit roundoff of the dtype the gradients are
+    catches that. ``max_norm``: clip the gradient first, as
+    ``torch.nn.utils.clip_grad_norm_``. ``unit`` is the unit roundoff of the dtype the gradients are
     computed in (2**-8 for bf16: a loose bound, "it trains").
     """
 
-    def __init__(self, base, batches, lr=LR, unit=U32):
+    def __init__(self, base, batches, lr=LR, unit=U32, eps=1e-8, max_norm=None):
         ref = copy.deepcopy(base).double()
         params = dict((n, p) for n, p in ref.named_parameters() if p.requires_grad)
-        opt = torch.optim.AdamW(params.values(), lr=lr, foreach=False)
+        opt = torch.optim.AdamW(params.values(), lr=lr, eps=eps, foreach=False)
+        self.norms = []  # with max_norm: the gradient norm before clipping, per step
         beta2, eps = opt.defaults["betas"][1], opt.defaults["eps"]
         self.bound = {n: torch.zeros_like(p) for n, p in params.items()}
         scale = dict.fromkeys(params, 0.0)  # A: largest |grad| of each tensor so far
@@ -85,6 +87,11 @@ class _F64Reference:
             ref(x, y)[1].backward()
             _zero_missing_grads(ref)
             k = x.numel()  # tokens in the global batch: terms in each gradient sum
+            if max_norm is not None:
+                self.norms.append(torch.nn.utils.clip_grad_norm_(params.values(), max_norm))
+                # c * g, both factors rounded: the error doubles (c <= 1; A below
+                # is the clipped gradient's).
+                k *= 2
             self.before_last = {n: p.detach().clone() for n, p in params.items()}
             opt.step()
             with torch.no_grad():
@@ -706,3 +713,56 @@ def test_stage3_module_returning_a_tuple_equals_adamw():
     assert _attention_net_vs_adamw(3) == 0.0
     for res in launch(_attention_net_vs_adamw, 2, 3, timeout=120):
         assert res == 0.0, res
+
+
+# --------------------------------------------------------------------------
+# Gradient clipping over the shards.
+# --------------------------------------------------------------------------
+
+MAX_NORM = 0.5  # the toy GPT's first gradient has norm ~1.6: every step clips
+CLIP_EPS = 1e-3  # Adam's eps near the clipped |gradient| (median ~5e-4), so the
+                 # update depends on the clipping factor (with eps = 1e-8, AdamW
+                 # is nearly blind to a gradient's scale and a wrong norm would
+                 # hardly show in the weights)
+
+
+def _clipping(stages):
+    """Every stage with clip_grad_norm_ before each step vs one float64 process
+    with torch.nn.utils.clip_grad_norm_ + AdamW on the global batch."""
+    r = rank_info()
+    N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
+    batches = _batches(N)
+    base = build_model("toy", seed=0)
+    reference = _F64Reference(base, batches, eps=CLIP_EPS, max_norm=MAX_NORM)
+    # Plausible wrong answers the bound must reject: no clipping, or clipping by
+    # a norm off by a factor (a rank that saw only part of the gradient).
+    unclipped = _F64Reference(base, batches, eps=CLIP_EPS)
+    half_norm = _F64Reference(base, batches, eps=CLIP_EPS, max_norm=MAX_NORM * 2 ** 0.5)
+    out = dict(wrong=[reference.excess(w.weights) for w in (unclipped, half_norm)])
+    for stage in stages:
+        model = copy.deepcopy(base)
+        opt = ZeroOptimizer(model, stage, lr=LR, eps=CLIP_EPS)
+        norms = []
+        for x, y in batches:
+            model(x[lo:hi], y[lo:hi])[1].backward()
+            norms.append(opt.clip_grad_norm_(MAX_NORM))
+            opt.step()
+        # First step: same weights, so the two norms differ by rounding only:
+        # |norm32 - norm64| <= || g32 - g64 || <= K u sqrt(sum numel * A^2) over
+        # tensors, at most K u sqrt(n) A_max (K: 2 x the tokens, as in _F64Reference).
+        n = sum(p.numel() for p in model.parameters())
+        g_max = reference.norms[0].item()  # >= every |g|: a loose A_max
+        bound = 2 * batches[0][0].numel() * U32 * n ** 0.5 * g_max
+        out[stage] = dict(excess=reference.excess(opt.full_parameters()),
+                          norm_diff=abs(norms[0].item() - reference.norms[0].item()),
+                          norm_bound=bound)
+    return out
+
+
+def test_clip_grad_norm_equals_torch_clip_on_one_process():
+    for res in launch(_clipping, 2, [0, 1, 2, 3], timeout=120):
+        assert all(w > 1 for w in res["wrong"]), res["wrong"]
+        for stage in range(4):
+            v = res[stage]
+            assert v["excess"] <= 1, (stage, v)
+            assert v["norm_diff"] <= v["norm_bound"], (stage, v)
