@@ -24,10 +24,21 @@ parameters). Each bucket is padded to a multiple of N_d so it splits into N_d
 equal chunks, and rank r owns chunk r of every bucket. Padding is zeros and
 stays zero under AdamW; it costs at most N_d - 1 elements per bucket. Every
 buffer lives on the parameters' device (CPU with gloo, the rank's GPU with
-nccl), so the same code runs on both.
+nccl), so the same code runs on both. This layout (buckets padded, chunk r of
+each) is PyTorch FSDP1's flat parameter. DeepSpeed lays it out otherwise:
+ZeRO-1/2 flatten each parameter group once and give rank r one contiguous
+1/N_d of the whole of it (one partition boundary per rank, not per bucket),
+and ZeRO-3 partitions each parameter on its own. The bytes per rank and the
+communication volume are the same; what differs is which elements a rank
+owns and how many pieces a collective moves.
 
 * stage 0: gradients all-reduced (averaged), every rank runs AdamW on all of
   it. This is DP, kept for comparison.
+* stages 0-1 average the gradients inside ``step()`` (or
+  ``clip_grad_norm_()``), not during backward: between ``backward()`` and
+  ``step()`` each ``p.grad`` holds this rank's *local* gradient, where DDP's
+  would already hold the average. Read gradients after ``step()``'s
+  reduction, or use stage 2-3's shards, if you need the average.
 * stage 1: every rank still computes the full gradient. ``step()``
   reduce-scatters it (rank r receives the average of chunk r), updates its
   chunk of the fp32 master weights with Adam moments it alone holds, then
@@ -125,10 +136,14 @@ small parameters unpartitioned (``stage3_param_persistence_threshold``),
 dynamic loss scaling, and per-parameter-group hyperparameters. Here
 weight decay applies to every parameter, as ``torch.optim.AdamW(model.parameters())``
 does, and frozen parameters and buffers are replicated, never sharded (rank
-0's copies are broadcast at construction, as DDP does). A
-trainable parameter that got no gradient in a step is updated as if its
-gradient were zero (its weight decay still applies), as DDP with
-``find_unused_parameters`` would; ``torch.optim`` skips such a parameter.
+0's copies are broadcast at construction, as DDP does).
+
+Unused parameters, as DDP: a trainable parameter that got a gradient on some
+rank but not on another is averaged with zeros from the others; one that got
+no gradient on any rank is skipped by AdamW (no weight decay, no momentum, its
+step count not advanced), as ``torch.optim`` skips a ``.grad`` that DDP left
+None. Each ``step()`` all-reduces one flag per parameter to know (DDP
+all-reduces the same "used" bitmap with ``find_unused_parameters=True``).
 """
 
 from __future__ import annotations
@@ -398,6 +413,9 @@ class ZeroOptimizer:
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._used = [False] * len(self.params)  # got a gradient here since the last step
+        self._param_steps = [0] * len(self.params)  # AdamW steps taken by each parameter
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ValueError(f"all trainable parameters must be on one device (the flat buffers "
@@ -715,6 +733,7 @@ class ZeroOptimizer:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._used[self._index[id(p)]] = True
         if not self._callback_queued:
             # Runs once this backward has finished: reduce what is left, wait, add
             # into the gradient shard, and get the counters ready for the next one.
@@ -790,6 +809,7 @@ class ZeroOptimizer:
         """Stages 0-1: after p's gradient is accumulated, make sure it lives in the
         flat buffer (``model.zero_grad()`` or an assignment may have replaced it)."""
         def hook(p):
+            self._used[i] = True
             self._link_grad(i)
         return hook
 
@@ -842,6 +862,35 @@ class ZeroOptimizer:
         self._grad_chunks = grad_chunks
         return grad_chunks
 
+    def _count_param_steps(self) -> list[int | None]:
+        """Which parameters got a gradient on some rank since the last step: one
+        all-reduce of a flag per parameter (DDP all-reduces the same "local used
+        map" to find globally unused parameters and leaves their ``.grad`` None).
+        Returns each parameter's AdamW step count, None for one to skip."""
+        used = list(self._used)
+        if self.world > 1:
+            flags = torch.tensor(used, dtype=torch.float32, device=self.device)
+            dist.all_reduce(flags, group=self.group)  # > 0: used on some rank
+            used = [f > 0 for f in flags.tolist()]
+        for i, flag in enumerate(used):
+            self._param_steps[i] += flag
+        return [n if flag else None for n, flag in zip(self._param_steps, used)]
+
+    def _update_segments(self, b: Bucket, steps: list[int | None]):
+        """[lo, hi) ranges of this rank's chunk of bucket b, in chunk coordinates,
+        with the AdamW step count of the parameters there: one range when every
+        parameter of the bucket is at the same step (the usual case), else one
+        per parameter, leaving out unused parameters and padding."""
+        if len({steps[i] for i in b.params}) == 1 and steps[b.params[0]] is not None:
+            return [(0, b.chunk, steps[b.params[0]])]
+        base = self.shard_rank * b.chunk  # where this chunk starts inside the bucket
+        out = []
+        for i, off in zip(b.params, b.offsets):
+            lo, hi = max(off, base), min(off + self.params[i].numel(), base + b.chunk)
+            if lo < hi and steps[i] is not None:
+                out.append((lo - base, hi - base, steps[i]))
+        return out
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the averaged gradient so its global L2 norm is at most ``max_norm``;
@@ -885,12 +934,15 @@ class ZeroOptimizer:
             for bi in range(len(part.buckets)):
                 self.free_unit(bi)
             self._recording, self._pos = False, 0
-        # 2. AdamW on the chunks this rank owns, in fp32.
+        # 2. AdamW on the chunks this rank owns, in fp32, skipping parameters that
+        #    got no gradient on any rank (as torch.optim does after DDP).
+        steps = self._count_param_steps()
         for b, master, g in zip(part.buckets, self._master_chunks, grad_chunks):
-            s = slice(b.shard_start, b.shard_start + b.chunk)
-            adamw_update(master, g.float(), self.exp_avg[s], self.exp_avg_sq[s],
-                         self.step_count, self.lr, self.beta1, self.beta2, self.eps,
-                         self.weight_decay)
+            s = b.shard_start
+            for lo, hi, step in self._update_segments(b, steps):
+                adamw_update(master[lo:hi], g[lo:hi].float(), self.exp_avg[s + lo:s + hi],
+                             self.exp_avg_sq[s + lo:s + hi], step, self.lr, self.beta1,
+                             self.beta2, self.eps, self.weight_decay)
         # 3. New weights where the forward pass will read them.
         if self.master is not None:
             for chunk, master in zip(self._param_chunks, self._master_chunks):
@@ -912,6 +964,7 @@ class ZeroOptimizer:
         (``set_to_none`` is ignored: the buffer is reused); stages 2-3 zero the
         gradient shard (``p.grad`` is already None there)."""
         self._grad_chunks = None
+        self._used = [False] * len(self.params)
         if self.stage < 2:
             self.flat_grad.zero_()
             for p, view in zip(self.params, self._grad_views):
