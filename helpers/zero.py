@@ -133,9 +133,10 @@ so rank r's piece is again "its chunk of every unit".
 
 How production differs: DeepSpeed's ZeRO adds CPU/NVMe offload, contiguous memory defragmentation, keeping
 small parameters unpartitioned (``stage3_param_persistence_threshold``),
-dynamic loss scaling, and per-parameter-group hyperparameters. Here
-weight decay applies to every parameter, as ``torch.optim.AdamW(model.parameters())``
-does, and frozen parameters and buffers are replicated, never sharded (rank
+and dynamic loss scaling. ``ZeroOptimizer`` applies one set of AdamW
+hyperparameters to every parameter, as ``torch.optim.AdamW(model.parameters())``
+does; ``ShardedOptimizer`` (stages 1-2) takes parameter groups and any
+elementwise ``torch.optim`` optimizer, as ``ZeroRedundancyOptimizer`` does, and frozen parameters and buffers are replicated, never sharded (rank
 0's copies are broadcast at construction, as DDP does).
 
 Unused parameters, as DDP: a trainable parameter that got a gradient on some
@@ -162,7 +163,7 @@ from torch.utils._pytree import tree_leaves
 from helpers.memory import ModelStateBytes
 from helpers.overlap import record_comm, wait_comm
 
-__all__ = ["ZeroOptimizer", "FlatPartition", "Bucket", "size_buckets", "ring_bytes_sent",
+__all__ = ["ZeroOptimizer", "ShardedOptimizer", "FlatPartition", "Bucket", "size_buckets", "ring_bytes_sent",
            "adamw_update", "reduce_scatter", "all_gather", "PRECISIONS"]
 
 # torch >= 2.11 renamed the flat collectives; older releases have only the old names.
@@ -388,6 +389,7 @@ class ZeroOptimizer:
         self.model, self.stage, self.group = model, stage, process_group
         self._hooks: list = []  # every hook handle: remove_hooks() takes them all out
         self._grad_chunks = None  # this step's averaged gradient chunks, once reduced
+        self._inner = None  # ShardedOptimizer: the wrapped torch optimizer
         self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.dtype = PRECISIONS[precision]
@@ -937,12 +939,15 @@ class ZeroOptimizer:
         # 2. AdamW on the chunks this rank owns, in fp32, skipping parameters that
         #    got no gradient on any rank (as torch.optim does after DDP).
         steps = self._count_param_steps()
-        for b, master, g in zip(part.buckets, self._master_chunks, grad_chunks):
-            s = b.shard_start
-            for lo, hi, step in self._update_segments(b, steps):
-                adamw_update(master[lo:hi], g[lo:hi].float(), self.exp_avg[s + lo:s + hi],
-                             self.exp_avg_sq[s + lo:s + hi], step, self.lr, self.beta1,
-                             self.beta2, self.eps, self.weight_decay)
+        if self._inner is not None:  # ShardedOptimizer: any optimizer on the segments
+            self._inner_step(grad_chunks, steps)
+        else:
+            for b, master, g in zip(part.buckets, self._master_chunks, grad_chunks):
+                s = b.shard_start
+                for lo, hi, step in self._update_segments(b, steps):
+                    adamw_update(master[lo:hi], g[lo:hi].float(), self.exp_avg[s + lo:s + hi],
+                                 self.exp_avg_sq[s + lo:s + hi], step, self.lr, self.beta1,
+                                 self.beta2, self.eps, self.weight_decay)
         # 3. New weights where the forward pass will read them.
         if self.master is not None:
             for chunk, master in zip(self._param_chunks, self._master_chunks):
@@ -1004,7 +1009,10 @@ class ZeroOptimizer:
             params = size([self.param_shard] + self.unit_full)
         grads = size([p.grad for p in self.params]
                      + [getattr(self, "flat_grad", None), getattr(self, "grad_shard", None)])
-        optimizer = size([self.master, self.exp_avg, self.exp_avg_sq])
+        inner = [] if self._inner is None else [
+            t for st in self._inner.state.values() for t in st.values()
+            if isinstance(t, torch.Tensor) and t.numel() > 1]
+        optimizer = size([self.master, self.exp_avg, self.exp_avg_sq] + inner)
         return ModelStateBytes(params=float(params), grads=float(grads),
                                optimizer=float(optimizer))
 
@@ -1026,3 +1034,91 @@ class ZeroOptimizer:
                 p = self.params[i]
                 out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
         return out
+
+
+class ShardedOptimizer(ZeroOptimizer):
+    """ZeRO stage 1 or 2 around any elementwise ``torch.optim`` optimizer, built
+    like ``torch.distributed.optim.ZeroRedundancyOptimizer``::
+
+        opt = ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                               lr=1e-3, weight_decay=0.1)
+        opt = ShardedOptimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0}],
+                               torch.optim.AdamW, stage=2, lr=1e-3)
+
+    The layout, reductions and hooks are ``ZeroOptimizer``'s; only the update
+    differs: ``optimizer_class(groups, **defaults)`` runs on this rank's
+    segments of each parameter (views of its fp32 chunk), so each group's
+    options apply to its parameters' elements. That equals the optimizer on the
+    full parameters only for optimizers that work element by element (SGD,
+    Adam, AdamW, ...); one that uses a whole tensor's norm (LAMB, Adafactor)
+    would see only a segment. torch's ``ZeroRedundancyOptimizer`` instead gives
+    each rank whole parameters and broadcasts them after the step.
+
+    Stage 3 needs the model (it gathers each module's weights around its
+    forward): use ``ZeroOptimizer(model, 3)``. Unlike ``ZeroOptimizer`` nothing
+    but the given parameters is broadcast at construction (no frozen weights or
+    buffers are known); ``full_parameters()`` is keyed by each parameter's
+    position, "0", "1", ....
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, stage: int = 1,
+                 process_group=None, precision: str = "fp32", bucket_cap_mb: float = 25.0,
+                 timeline=None, **defaults):
+        if stage == 3:
+            raise ValueError("stage 3 needs the model, not only its parameters: it gathers each "
+                             "module's weights around that module's forward. Use "
+                             "ZeroOptimizer(model, 3)")
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer takes stage 1 or 2, got {stage!r}")
+        groups = list(params)
+        if not groups:
+            raise ValueError("ShardedOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        flat: list[nn.Parameter] = []
+        for g in groups:
+            g["params"] = list(g["params"]) if not isinstance(g["params"], torch.Tensor) \
+                else [g["params"]]
+            for p in g["params"]:
+                if not isinstance(p, nn.Parameter):
+                    raise ValueError(f"ShardedOptimizer shards nn.Parameter objects in place, got "
+                                     f"a {type(p).__name__}")
+                if any(p is q for q in flat):
+                    raise ValueError("a parameter appears in more than one parameter group")
+                flat.append(p)
+        # Bad hyperparameters: the optimizer's own message, before anything is sharded.
+        optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+        holder = nn.ParameterList(flat)  # a module whose parameters() are exactly these
+        super().__init__(holder, stage, process_group=process_group, precision=precision,
+                         bucket_cap_mb=bucket_cap_mb, timeline=timeline)
+        self.exp_avg = self.exp_avg_sq = None  # the wrapped optimizer keeps its own state
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        # (bucket, lo, hi, parameter index, segment): this rank's piece of each parameter
+        self._segments = []
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
+                        for g in groups]
+        for k, (b, master) in enumerate(zip(self.partition.buckets, self._master_chunks)):
+            base = self.shard_rank * b.chunk
+            for i, off in zip(b.params, b.offsets):
+                lo, hi = max(off, base), min(off + self.params[i].numel(), base + b.chunk)
+                if lo < hi:
+                    seg = master[lo - base:hi - base]
+                    self._segments.append((k, lo - base, hi - base, i, seg))
+                    inner_groups[group_of[id(self.params[i])]]["params"].append(seg)
+        if not self._segments:
+            raise ValueError(f"rank {self.rank} owns no element of any parameter: "
+                             f"{self.partition.total} elements over {self.world} ranks")
+        self._inner = optimizer_class(inner_groups, **defaults)
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's groups (of this rank's segments): set ``lr`` here."""
+        return self._inner.param_groups
+
+    def _inner_step(self, grad_chunks, steps) -> None:
+        for k, lo, hi, i, seg in self._segments:
+            # None: no gradient on any rank, the optimizer skips it (as after DDP)
+            seg.grad = None if steps[i] is None else grad_chunks[k][lo:hi].to(seg.dtype)
+        self._inner.step()
+        for *_, seg in self._segments:
+            seg.grad = None
