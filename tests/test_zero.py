@@ -354,7 +354,8 @@ def _stage3_knobs(prefetch, reuse, reduce):
     diff = max((plain["full"][n] - knobs["full"][n]).abs().max().item() for n in plain["full"])
     reference = _F64Reference(base, _batches(r.world_size, steps=4))
     excess = reference.excess(knobs["full"], plain["full"], times=2)
-    return dict(diff=diff, excess=excess, plain=plain["comms"], knobs=knobs["comms"], units=plain["units"],
+    return dict(diff=diff, excess=excess, plain=plain["comms"], knobs=knobs["comms"],
+                units=plain["units"],
                 held=knobs["held"], bytes=(plain["comm"], knobs["comm"]))
 
 
@@ -824,3 +825,12 @@ def test_sharded_optimizer_refuses_stage_3_and_bad_input():
     with pytest.raises(ValueError, match="empty parameter list"):
         ShardedOptimizer([], torch.optim.AdamW)
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # untouched
+
+
+def test_zero_optimizer_is_a_factory_of_one_class_per_stage():
+    from helpers.zero import ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3
+    for stage, cls in enumerate((ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3)):
+        opt = ZeroOptimizer(build_model("toy", seed=0), stage)
+        assert type(opt) is cls and isinstance(opt, ZeroOptimizer) and opt.stage == stage
+    opt = ShardedOptimizer(build_model("toy", seed=0).parameters(), torch.optim.AdamW, stage=2)
+    assert isinstance(opt, ShardedOptimizer) and isinstance(opt, ZeroStage2)

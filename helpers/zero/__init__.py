@@ -106,13 +106,15 @@ Stage 3 with fewer, larger collectives: ``prefetch_bucket_numel``,
 reuse-distance and reduce-bucket knobs (off by default, so chapter 14 sees one
 collective per module); ``prefetch.py`` explains them.
 
-How production differs: DeepSpeed's ZeRO adds CPU/NVMe offload, contiguous memory defragmentation, keeping
-small parameters unpartitioned (``stage3_param_persistence_threshold``),
-and dynamic loss scaling. ``ZeroOptimizer`` applies one set of AdamW
-hyperparameters to every parameter, as ``torch.optim.AdamW(model.parameters())``
-does; ``ShardedOptimizer`` (stages 1-2) takes parameter groups and any
-elementwise ``torch.optim`` optimizer, as ``ZeroRedundancyOptimizer`` does, and frozen parameters and buffers are replicated, never sharded (rank
-0's copies are broadcast at construction, as DDP does).
+How production differs: DeepSpeed's ZeRO adds CPU/NVMe offload, contiguous
+memory defragmentation, keeping small parameters unpartitioned
+(``stage3_param_persistence_threshold``) and dynamic loss scaling.
+``ZeroOptimizer`` applies one set of AdamW hyperparameters to every
+parameter, as ``torch.optim.AdamW(model.parameters())`` does;
+``ShardedOptimizer`` (stages 1-2) takes parameter groups and any elementwise
+``torch.optim`` optimizer, as ``ZeroRedundancyOptimizer`` does. Frozen
+parameters and buffers are replicated, never sharded (rank 0's copies are
+broadcast at construction, as DDP does).
 
 Unused parameters, as DDP: a trainable parameter that got a gradient on some
 rank but not on another is averaged with zeros from the others; one that got

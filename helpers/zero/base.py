@@ -94,7 +94,8 @@ class ZeroOptimizer:
         self.reduce_bucket_numel = reduce_bucket_numel
         self.model, self.stage, self.group = model, stage, process_group
         self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
-        self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
+        self.beta1, self.beta2 = betas
         self.dtype = PRECISIONS[precision]
         self.precision = precision
         distributed = dist.is_available() and dist.is_initialized()

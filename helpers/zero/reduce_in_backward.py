@@ -39,7 +39,7 @@ class ReduceScatterInBackward:
                 self._bucket_of[id(self.params[i])] = bi
         self._ready = [0] * len(self.partition.buckets)
         self._launched = [False] * len(self.partition.buckets)
-        self._handles: list = []  # (work, bucket indices, output, name) of in-flight reduce-scatters
+        self._handles: list = []  # in-flight reduce-scatters: (work, buckets, output, name)
         self._pending: list = []  # (bucket index, averaged full gradient) not yet sent
         self._callback_queued = False  # end-of-backward callback queued
         for p in self.params:
