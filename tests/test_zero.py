@@ -834,3 +834,55 @@ def test_zero_optimizer_is_a_factory_of_one_class_per_stage():
         assert type(opt) is cls and isinstance(opt, ZeroOptimizer) and opt.stage == stage
     opt = ShardedOptimizer(build_model("toy", seed=0).parameters(), torch.optim.AdamW, stage=2)
     assert isinstance(opt, ShardedOptimizer) and isinstance(opt, ZeroStage2)
+
+
+class _TwoHeads(torch.nn.Module):
+    """Rank 0 trains head ``a``, rank 1 head ``b``; head ``never`` is used by no rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 8)
+        self.a, self.b, self.never = (torch.nn.Linear(8, 3) for _ in range(3))
+
+    def forward(self, x, y, head):
+        logits = getattr(self, head)(torch.tanh(self.body(x)))
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def _unused_like_ddp(stage):
+    """ZeroOptimizer vs torch's DDP(find_unused_parameters=True) + AdamW when each
+    rank leaves a different head unused and one head is unused everywhere."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    r = rank_info()
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt = ZeroOptimizer(model, stage, lr=LR)
+    ddp = DistributedDataParallel(ref, find_unused_parameters=True)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    # Stage 3 gathers a module's weights with a collective when it runs, so every
+    # rank must run the same modules (as in FSDP and DeepSpeed): there only the
+    # head no rank uses differs from the plain case.
+    head = "ab"[r.rank] if stage < 3 else "a"
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + r.rank)
+        x, y = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+        model(x, y, head)[1].backward()
+        opt.step()
+        ddp(x, y, head)[1].backward()
+        o_ref.step()
+        o_ref.zero_grad()
+    full, named = opt.full_parameters(), dict(ref.named_parameters())
+    return dict(diff=max((full[n] - named[n]).abs().max().item() for n in named),
+                never_moved=not torch.equal(full["never.weight"], base.never.weight))
+
+
+def test_unused_parameters_as_ddp():
+    # 2 ranks: a head used on one rank is averaged with the other's zeros (a/2 + 0,
+    # the same sum in both), the head no rank used is skipped by AdamW: bitwise.
+    # (The old code decayed the unused head: never_moved.)
+    for stage in range(4):
+        for res in launch(_unused_like_ddp, 2, stage, timeout=120):
+            assert res["diff"] == 0.0, (stage, res)
+            assert not res["never_moved"], stage

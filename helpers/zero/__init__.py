@@ -122,6 +122,9 @@ no gradient on any rank is skipped by AdamW (no weight decay, no momentum, its
 step count not advanced), as ``torch.optim`` skips a ``.grad`` that DDP left
 None. Each ``step()`` all-reduces one flag per parameter to know (DDP
 all-reduces the same "used" bitmap with ``find_unused_parameters=True``).
+Stage 3 needs more: a module's forward all-gathers its weights, a collective,
+so every rank must run the same modules in the same order (FSDP and
+DeepSpeed's ZeRO-3 require the same); a module no rank runs is fine.
 
 Where to read what (each file stands on its own)
 -----------------------------------------------
