@@ -307,7 +307,10 @@ class ZeroOptimizer:
 
     # ---------------------------------------------------------- measurements
     def comm_bytes(self) -> dict[str, float]:
-        """Bytes this rank sent in the last step, by collective (ring model), plus 'total'."""
+        """Bytes this rank sent in the last step, by collective (ring model), plus 'total'.
+
+        Not counted: the all-reduce of one 4-byte "used" flag per parameter tensor
+        (unused parameters, see ``helpers.zero``), bookkeeping rather than model state."""
         out = dict(self._comm_last)
         out["total"] = sum(self._comm_last.values())
         return out
