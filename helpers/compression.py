@@ -54,7 +54,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from helpers.zero import all_gather, ring_bytes_sent
+from helpers.comm import all_gather, ring_bytes_sent
 
 __all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "powersgd_shape"]
 

@@ -114,8 +114,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from helpers.overlap import record_comm, wait_comm
-from helpers.zero import (FlatPartition, _alloc, _free, _is_allocated, all_gather,
+from helpers.comm import (all_gather, alloc_storage, free_storage, is_allocated,
                           reduce_scatter, ring_bytes_sent)
+from helpers.zero import FlatPartition
 
 __all__ = ["FSDP", "GradShard", "hybrid_grid", "hybrid_groups", "block_policy",
            "next_unit_prefetch", "torch_fsdp2"]
@@ -365,7 +366,7 @@ class FSDP(nn.Module):
             u.full = torch.empty(u.full.numel(), dtype=self.param_dtype, device=u.full.device)
             for p, off in zip(u.params, u.bucket.offsets):
                 p.data = u.full[off:off + p.numel()].view(p.shape)
-        _free(u.full)
+        free_storage(u.full)
         return u
 
     def _all_units(self) -> list[_Unit]:
@@ -407,9 +408,9 @@ class FSDP(nn.Module):
                 self._wait(u.pending, f"all-gather {u.name}")
                 u.pending = None
             return
-        if _is_allocated(u.full):
+        if is_allocated(u.full):
             return
-        _alloc(u.full)
+        alloc_storage(u.full)
         nbytes = u.full.numel() * u.full.element_size()
         self._gathered_now += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
@@ -436,9 +437,9 @@ class FSDP(nn.Module):
         if u.pending is not None:  # never free storage a collective is writing into
             self._wait(u.pending, f"all-gather {u.name}")
             u.pending = None
-        if _is_allocated(u.full):
+        if is_allocated(u.full):
             self._gathered_now -= u.full.numel() * u.full.element_size()
-            _free(u.full)
+            free_storage(u.full)
 
     def _wait(self, work, name) -> None:
         wait_comm(self.timeline, work, name)

@@ -107,7 +107,7 @@ def _run_attach(gather, free, attach, steps):
     from helpers import rank_info
     from helpers.data import make_dataset
     from helpers.model import build_model
-    from helpers.zero import reduce_scatter
+    from helpers.comm import reduce_scatter
 
     r = rank_info()
     N, B = r.world_size, 2

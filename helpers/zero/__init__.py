@@ -141,8 +141,7 @@ Where to read what (each file stands on its own)
 * ``helpers.comm``: the collectives, their ring cost, freeing storage.
 """
 
-from helpers.comm import (all_gather, alloc_storage, free_storage, is_allocated, reduce_scatter,
-                          ring_bytes_sent)
+from helpers.comm import all_gather, reduce_scatter, ring_bytes_sent
 from helpers.zero.adamw import adamw_update
 from helpers.zero.base import PRECISIONS, ZeroOptimizer
 from helpers.zero.partition import Bucket, FlatPartition, size_buckets
@@ -153,6 +152,3 @@ from helpers.zero.stages import ZeroStage0, ZeroStage1, ZeroStage2
 __all__ = ["ZeroOptimizer", "ShardedOptimizer", "FlatPartition", "Bucket", "size_buckets",
            "ring_bytes_sent", "adamw_update", "reduce_scatter", "all_gather", "PRECISIONS",
            "ZeroStage0", "ZeroStage1", "ZeroStage2", "ZeroStage3", "LEAF_MODULES"]
-
-# The old private names, still imported by helpers.fsdp: use helpers.comm's.
-_free, _alloc, _is_allocated = free_storage, alloc_storage, is_allocated
