@@ -49,8 +49,10 @@ reset:
 normalize: setup
 	$(BIN)/python tools/nbtool.py normalize
 
+# Needs Chromium from the system (Debian/Ubuntu: sudo apt-get install chromium).
 test-browser: setup
-	$(BIN)/python -m pytest tests/test_browser.py -p no:cacheprovider -v -m browser
+	$(BIN)/python -m pip install -q -e ".[browser]"
+	$(BIN)/python -m pytest tests/test_browser.py -p no:cacheprovider -v -rs
 
 test: setup
 	$(BIN)/python -m pytest tests course solutions --nbval-lax --nbval-current-env -p no:cacheprovider
