@@ -37,6 +37,8 @@ import urllib.request
 import nbformat
 import pytest
 
+from tools import nbtool
+
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -46,7 +48,8 @@ pytestmark = [
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SHOTS = pathlib.Path(os.environ.get("BROWSER_SHOTS", ROOT / "tmp" / "browser"))
+# screenshots of each step, and the control notebook (inside the server's root; git ignores tmp/)
+SHOTS = ROOT / "tmp" / "browser"
 TOKEN = "course-browser-test"
 SETTINGS = {  # the test's JupyterLab user settings
     # autosave off: running the notebooks here must not rewrite the committed files
@@ -112,7 +115,7 @@ def page(lab_url):
         pg = browser.new_page(viewport={"width": 1400, "height": 1000})
         pg.set_default_timeout(60_000)
         # `make lab` opens START_HERE.ipynb; the URL below is the one it prints
-        pg.goto(f"{lab_url}/lab/tree/START_HERE.ipynb?reset&token={TOKEN}")
+        pg.goto(f"{lab_url}/lab/tree/{nbtool.INDEX}?reset&token={TOKEN}")
         yield pg
         browser.close()
 
@@ -127,11 +130,13 @@ def _wait_idle(pg, timeout_s: float) -> None:
     # the notebook toolbar's indicator (hidden on a narrow toolbar, but kept up to date)
     indicator = panel.locator(".jp-Notebook-ExecutionIndicator").first
     indicator.wait_for(state="attached", timeout=timeout_s * 1000)
+    # the status bar names the kernel once it is connected: "Python 3 (ipykernel) | Idle"
+    kernel = pg.locator(".jp-StatusBar-Widget", has_text="(ipykernel) | Idle").first
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         busy = panel.locator(".jp-InputPrompt", has_text="[*]").count()
         status = indicator.get_attribute("data-status")
-        if not busy and status == "idle":
+        if not busy and status == "idle" and kernel.count():
             return
         time.sleep(0.5)
     raise AssertionError(f"cells still running after {timeout_s} s")
@@ -168,15 +173,33 @@ def test_landing_page_lists_chapters_at_the_repository_root(page):
     page.screenshot(path=str(SHOTS / "1_start_here.png"))
 
 
+def _is_dirty_after_open(pg) -> bool:
+    time.sleep(3)  # the kernel is connected; give JupyterLab time to write its metadata, if it would
+    return "jp-mod-dirty" in (pg.locator(".lm-TabBar-tab.jp-mod-current").get_attribute("class") or "")
+
+
+def test_a_notebook_with_old_metadata_turns_modified(page, lab_url):
+    """The control for the next test: the dirty mark is seen when JupyterLab does rewrite
+    (here the kernelspec's display name the course used to commit, "Python 3")."""
+    old = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1", id="c0")])
+    old.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    path = SHOTS / "old_metadata.ipynb"
+    nbformat.write(old, path)
+    rel = path.relative_to(ROOT).as_posix()
+    page.goto(f"{lab_url}/lab/tree/{rel}?token={TOKEN}")
+    _wait_idle(page, 120)
+    assert _is_dirty_after_open(page)
+    page.goto(f"{lab_url}/lab/tree/{nbtool.INDEX}?reset&token={TOKEN}")
+
+
 def test_chapter_01_opens_unmodified_with_a_widget_picture(page):
     _open_from_start_here(page, "course", "course/01_why_distributed.ipynb")
-    time.sleep(2)  # give JupyterLab the time to write kernel metadata, if it would
-    tab = page.locator(".lm-TabBar-tab.jp-mod-current")
-    assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), "opening marked it modified"
+    assert not _is_dirty_after_open(page), "opening chapter 01 marked it modified"
     widget_cell = _current_panel(page).locator(".jp-Cell", has_text="interact(show_budget")
     out = widget_cell.locator(".jp-Cell-outputArea").inner_text()
     assert "Run the cell to get the controls" in out and "interactive(children" not in out
     page.screenshot(path=str(SHOTS / "2_ch01_opened.png"))
+    widget_cell.screenshot(path=str(SHOTS / "2_ch01_widget_before_run.png"))
 
 
 def test_chapter_01_runs_with_ranks_widget_and_plots(page):
@@ -196,7 +219,8 @@ def test_chapter_01_runs_with_ranks_widget_and_plots(page):
     pngs = panel.locator(".jp-RenderedImage img")
     assert pngs.count() >= 2, "the plots did not render"
     assert min(img.evaluate("e => e.naturalWidth") for img in pngs.all()) > 100
-    page.screenshot(path=str(SHOTS / "3_ch01_run.png"), full_page=True)
+    page.screenshot(path=str(SHOTS / "3_ch01_run.png"))
+    widget_cell.screenshot(path=str(SHOTS / "3_ch01_widget_live.png"))
 
 
 def test_lab_check_fails_on_the_stub_and_passes_when_filled_in(page):
