@@ -195,6 +195,17 @@ def test_a_notebook_with_old_metadata_turns_modified(page, lab_url):
 def test_chapter_01_opens_unmodified_with_a_widget_picture(page):
     _open_from_start_here(page, "course", "course/01_why_distributed.ipynb")
     assert not _is_dirty_after_open(page), "opening chapter 01 marked it modified"
+    # JupyterLab's own save writes back the same bytes (so a learner who only opens,
+    # or saves without running anything, leaves git clean)
+    path = ROOT / "course" / "01_why_distributed.ipynb"
+    before, mtime = path.read_bytes(), path.stat().st_mtime_ns
+    _current_panel(page).locator(".jp-Notebook").first.click()
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while path.stat().st_mtime_ns == mtime and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert path.stat().st_mtime_ns != mtime, "Ctrl+S did not save"
+    assert path.read_bytes() == before, "saving from JupyterLab changed course/01 (see git diff)"
     widget_cell = _current_panel(page).locator(".jp-Cell", has_text="interact(show_budget")
     out = widget_cell.locator(".jp-Cell-outputArea").inner_text()
     assert "Run the cell to get the controls" in out and "interactive(children" not in out

@@ -100,8 +100,11 @@ def test_normalize_fixes_what_jupyterlab_rewrites():
     nb.cells[0].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
     nb.cells[0].metadata["tags"] = ["keep-me"]
     del nb.cells[0]["id"]
+    nb.metadata["widgets"] = {"state": {"slider": {"value": 70.0, "step": 0.5}}}
     nbtool.normalize(nb)
     assert nb.metadata.kernelspec.display_name == "Python 3 (ipykernel)"
+    # JupyterLab's save (JavaScript's JSON) writes 70.0 as 70
+    assert '"value": 70\n' in nbformat.writes(nb) and '"step": 0.5' in nbformat.writes(nb)
     assert nb.cells[0].metadata == {"tags": ["keep-me"]} and nb.cells[0].id == "cell-0"
 
 

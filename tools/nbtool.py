@@ -114,12 +114,31 @@ def rename_legacy() -> list[str]:
 
 # ---------------------------------------------------------------- metadata
 
+def _as_javascript_writes(value):
+    """JSON numbers as JavaScript writes them: 70.0 -> 70. JupyterLab re-serializes the
+    notebook in the browser, so an integral float in the saved widget state (a slider's
+    70.0) would otherwise change on every save."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        return int(value)
+    if isinstance(value, dict):
+        return type(value)((k, _as_javascript_writes(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_as_javascript_writes(v) for v in value]
+    return value
+
+
 def normalize(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Metadata as JupyterLab would leave it, so opening the notebook changes nothing."""
     nb.nbformat, nb.nbformat_minor = 4, 5
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nb.metadata["language_info"] = dict(LANGUAGE_INFO)
+    nb.metadata = nbformat.from_dict(_as_javascript_writes(nb.metadata))
     for i, cell in enumerate(nb.cells):
+        cell.metadata = nbformat.from_dict(_as_javascript_writes(cell.metadata))
+        for out in cell.get("outputs", []):  # JSON outputs (widget views, application/json)
+            for key in ("data", "metadata"):
+                if key in out:
+                    out[key] = nbformat.from_dict(_as_javascript_writes(out[key]))
         for key in TRANSIENT_CELL_KEYS:
             cell.metadata.pop(key, None)
         if not cell.get("id"):
