@@ -546,7 +546,7 @@ def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: floa
         ax.axhline(gpu_gb, color="k", ls="--", lw=1)
         ax.text(len(labels) - 0.5, gpu_gb, f" {gpu_gb:g} GB GPU", va="bottom", ha="right")
     ax.set_ylabel("GB per GPU")
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never on them
     ax.tick_params(axis="x", labelsize=10)  # long budget names side by side
     return ax
 
