@@ -148,3 +148,24 @@ def test_course_notebooks_have_four_questions_and_quiz(path):
     text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
                      if c.cell_type == "markdown")
     assert "four questions" in text.lower() and "<details>" in text
+
+
+def test_make_my_copy_copies_new_chapters_and_keeps_the_learners(tmp_path):
+    """`make my-copy` after a `git pull` adds new chapters and never overwrites an edited copy."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("make"):
+        pytest.skip("no make")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    for folder in ("course", "labs"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"01_a{nbtool.SUFFIX[folder]}.ipynb").write_text("first")
+    subprocess.run(["make", "-s", "my-copy"], cwd=tmp_path, check=True, capture_output=True)
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["01_a.ipynb", "01_a_lab.ipynb"]
+    (tmp_path / "work" / "01_a_lab.ipynb").write_text("my answers")
+    (tmp_path / "labs" / "01_a_lab.ipynb").write_text("updated upstream")
+    (tmp_path / "labs" / "02_b_lab.ipynb").write_text("new chapter")
+    subprocess.run(["make", "-s", "my-copy"], cwd=tmp_path, check=True, capture_output=True)
+    assert (tmp_path / "work" / "01_a_lab.ipynb").read_text() == "my answers"
+    assert (tmp_path / "work" / "02_b_lab.ipynb").read_text() == "new chapter"
