@@ -546,8 +546,8 @@ def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: floa
         ax.axhline(gpu_gb, color="k", ls="--", lw=1)
         ax.text(len(labels) - 0.5, gpu_gb, f" {gpu_gb:g} GB GPU", va="bottom", ha="right")
     ax.set_ylabel("GB per GPU")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never on them
+    ax.tick_params(axis="x", labelsize=10)  # long budget names side by side
     return ax
 
 
@@ -559,7 +559,8 @@ def memory_widget(preset: str = "70B (Llama 2)"):
     """
     import ipywidgets as W
     import matplotlib.pyplot as plt
-    from IPython.display import display
+
+    from helpers.plots import show_widget
 
     style = {"description_width": "110px"}
     c = dict(
@@ -582,29 +583,32 @@ def memory_widget(preset: str = "70B (Llama 2)"):
     )
     out = W.Output()
 
-    def redraw(*_):
+    def draw():
         m = MODEL_PRESETS[c["model"].value]
+        try:
+            parts = training_memory(
+                m["n_params"], seq=c["seq"].value, micro_batch=c["micro_batch"].value,
+                hidden=m["hidden"], heads=m["heads"], layers=m["layers"], vocab=m["vocab"],
+                precision=c["precision"].value, optimizer=c["optimizer"].value,
+                zero_stage=c["zero_stage"].value, dp=c["dp"].value, tp=c["tp"].value,
+                pp=c["pp"].value, sequence_parallel=c["sp"].value,
+                recompute=c["recompute"].value)
+        except ValueError as exc:
+            print("impossible configuration:", exc)
+            return
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        plot_memory_bars({"per GPU": parts}, ax=ax)
+        ax.set_title(f"{parts['total'] / GB:,.1f} GB per GPU")
+        plt.show()
+
+    def redraw(*_):
         with out:
             out.clear_output(wait=True)
-            try:
-                parts = training_memory(
-                    m["n_params"], seq=c["seq"].value, micro_batch=c["micro_batch"].value,
-                    hidden=m["hidden"], heads=m["heads"], layers=m["layers"], vocab=m["vocab"],
-                    precision=c["precision"].value, optimizer=c["optimizer"].value,
-                    zero_stage=c["zero_stage"].value, dp=c["dp"].value, tp=c["tp"].value,
-                    pp=c["pp"].value, sequence_parallel=c["sp"].value,
-                    recompute=c["recompute"].value)
-            except ValueError as exc:
-                print("impossible configuration:", exc)
-                return
-            fig, ax = plt.subplots(figsize=(4, 3.6))
-            plot_memory_bars({"per GPU": parts}, ax=ax)
-            ax.set_title(f"{parts['total'] / GB:,.1f} GB per GPU")
-            plt.show()
+            draw()
 
     for w in c.values():
         w.observe(redraw, names="value")
     redraw()
     box = W.HBox([W.VBox(list(c.values())), out])
-    display(box)
+    show_widget(box, draw)  # with a picture of the first bar for a notebook not run yet
     return box

@@ -1,6 +1,8 @@
-"""The notebook pipeline: labs generated from solutions, every chapter complete."""
+"""The notebook pipeline: labs generated from solutions, every chapter complete,
+file names and metadata that JupyterLab leaves alone, a landing page listing it all."""
 
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -9,6 +11,7 @@ from tools import nbtool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+ALL_NOTEBOOKS = nbtool.all_notebooks()
 
 
 def test_strip_solutions_keeps_indent_and_hint():
@@ -26,8 +29,103 @@ def test_labs_are_in_sync_with_solutions():
 
 def test_every_chapter_has_course_lab_and_solution():
     for sol in SOLUTIONS:
-        assert (ROOT / "labs" / sol.name).exists()
-        assert (ROOT / "course" / sol.name).exists(), f"course/{sol.name} missing"
+        chapter = nbtool.chapter_of(sol)
+        for folder in ("course", "labs", "solutions"):
+            assert nbtool.path_of(folder, chapter).exists(), \
+                f"{nbtool.path_of(folder, chapter).relative_to(ROOT)} missing (`make normalize`?)"
+
+
+def test_lab_and_solution_file_names_differ():
+    """Two JupyterLab tabs show only file names: a lab must not read like its solution."""
+    for folder, suffix in (("labs", "_lab.ipynb"), ("solutions", "_solution.ipynb")):
+        for path in (ROOT / folder).glob("*.ipynb"):
+            assert path.name.endswith(suffix), f"{folder}/{path.name}: run `make normalize`"
+    for path in (ROOT / "course").glob("*.ipynb"):
+        assert not path.stem.endswith(("_lab", "_solution")), path.name
+
+
+def test_old_lab_names_still_resolve():
+    """Tests written before the rename load `labs/NN_slug.ipynb`; both names work."""
+    old = nbtool.exercise("labs/01_why_distributed.ipynb", "bytes_per_param")
+    new = nbtool.exercise("labs/01_why_distributed_lab.ipynb", "bytes_per_param")
+    assert old.__code__.co_code == new.__code__.co_code
+    assert nbtool.resolve("solutions/04_ddp_buckets.ipynb") == \
+        ROOT / "solutions" / "04_ddp_buckets_solution.ipynb"
+    assert nbtool.chapter_of("labs/04_ddp_buckets_lab.ipynb") == "04_ddp_buckets"
+
+
+def test_normalize_renames_a_chapter_added_under_the_old_names(tmp_path, monkeypatch):
+    """A chapter written on another branch arrives as labs/NN_slug.ipynb: `make normalize`
+    renames it and lists it on the landing page."""
+    monkeypatch.setattr(nbtool, "ROOT", tmp_path)
+    src = nbtool.from_percent("# %% [markdown]\n# # 07 · A new chapter (solutions)\n# %%\nx = 1\n")
+    for folder in ("course", "labs", "solutions"):
+        (tmp_path / folder).mkdir()
+        nbformat.write(src, tmp_path / folder / "07_new.ipynb")
+    moved = nbtool.rename_legacy()
+    assert moved == ["labs/07_new.ipynb -> labs/07_new_lab.ipynb",
+                     "solutions/07_new.ipynb -> solutions/07_new_solution.ipynb"]
+    nbtool.write_index()
+    index = nbformat.read(tmp_path / nbtool.INDEX, as_version=4).cells[0].source
+    assert ("| 07 | A new chapter | [course](course/07_new.ipynb) | [lab](labs/07_new_lab.ipynb) "
+            "| [solution](solutions/07_new_solution.ipynb) |") in index
+
+
+def _installed_python3_display_name() -> str:
+    from jupyter_client.kernelspec import KernelSpecManager
+    return KernelSpecManager().get_kernel_spec("python3").display_name
+
+
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_notebook_is_committed_as_jupyterlab_would_save_it(path):
+    """Opening a notebook in JupyterLab must not mark it modified: the kernelspec is the
+    installed kernel's, no cell carries execution timestamps, every cell has a unique id,
+    and the file is byte-for-byte what nbformat (Jupyter's server) writes on save."""
+    text = path.read_text(encoding="utf-8")
+    nb = nbformat.reads(text, as_version=4)
+    assert nb.metadata.kernelspec.display_name == _installed_python3_display_name()
+    assert nb.metadata.kernelspec.name == "python3"
+    assert nb.metadata.language_info.get("pygments_lexer") == "ipython3"
+    for cell in nb.cells:
+        assert "execution" not in cell.metadata, f"cell {cell.get('id')}: execution timestamps"
+    ids = [c.get("id") for c in nb.cells]
+    assert all(ids) and len(set(ids)) == len(ids)
+    assert nbtool._text(nbformat.reads(text, as_version=4)) == text, "not nbformat's own layout"
+    assert nbtool._text(nbtool.normalize(nb)) == text, "run `make normalize`"
+
+
+def test_normalize_fixes_what_jupyterlab_rewrites():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.cells[0].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    nb.cells[0].metadata["tags"] = ["keep-me"]
+    del nb.cells[0]["id"]
+    nb.metadata["widgets"] = {"state": {"slider": {"value": 70.0, "step": 0.5}}}
+    nbtool.normalize(nb)
+    assert nb.metadata.kernelspec.display_name == "Python 3 (ipykernel)"
+    # JupyterLab's save (JavaScript's JSON) writes 70.0 as 70
+    assert '"value": 70\n' in nbformat.writes(nb) and '"step": 0.5' in nbformat.writes(nb)
+    assert nb.cells[0].metadata == {"tags": ["keep-me"]} and nb.cells[0].id == "cell-0"
+
+
+def test_start_here_lists_every_chapter_with_working_links():
+    text = nbformat.read(ROOT / nbtool.INDEX, as_version=4).cells[0].source
+    assert nbtool._text(nbtool.make_index()) == (ROOT / nbtool.INDEX).read_text(encoding="utf-8"), \
+        "START_HERE.ipynb is out of date: run `make normalize`"
+    links = re.findall(r"\]\(([^)]+\.ipynb)\)", text)
+    for link in links:
+        assert (ROOT / link).exists(), f"START_HERE.ipynb links to a missing {link}"
+    every = {str(p.relative_to(ROOT)) for folder in ("course", "labs", "solutions")
+             for p in (ROOT / folder).glob("*.ipynb")}
+    assert every <= set(links), f"not on the landing page: {sorted(every - set(links))}"
+
+
+def test_make_lab_roots_the_server_at_the_repository_and_opens_start_here():
+    makefile = (ROOT / "Makefile").read_text()
+    lab_args = re.search(r"^LAB_ARGS\s*:=\s*(.*)$", makefile, re.M).group(1).split()
+    assert "--ServerApp.root_dir=$(CURDIR)" in lab_args and lab_args[-1] == nbtool.INDEX
+    assert re.search(r"^lab:.*\n\t\$\(BIN\)/jupyter lab \$\(LAB_ARGS\)$", makefile, re.M)
+    assert "/work/" in (ROOT / ".gitignore").read_text().split(), "make my-copy's folder not ignored"
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
@@ -50,3 +148,24 @@ def test_course_notebooks_have_four_questions_and_quiz(path):
     text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
                      if c.cell_type == "markdown")
     assert "four questions" in text.lower() and "<details>" in text
+
+
+def test_make_my_copy_copies_new_chapters_and_keeps_the_learners(tmp_path):
+    """`make my-copy` after a `git pull` adds new chapters and never overwrites an edited copy."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("make"):
+        pytest.skip("no make")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    for folder in ("course", "labs"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"01_a{nbtool.SUFFIX[folder]}.ipynb").write_text("first")
+    subprocess.run(["make", "-s", "my-copy"], cwd=tmp_path, check=True, capture_output=True)
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["01_a.ipynb", "01_a_lab.ipynb"]
+    (tmp_path / "work" / "01_a_lab.ipynb").write_text("my answers")
+    (tmp_path / "labs" / "01_a_lab.ipynb").write_text("updated upstream")
+    (tmp_path / "labs" / "02_b_lab.ipynb").write_text("new chapter")
+    subprocess.run(["make", "-s", "my-copy"], cwd=tmp_path, check=True, capture_output=True)
+    assert (tmp_path / "work" / "01_a_lab.ipynb").read_text() == "my answers"
+    assert (tmp_path / "work" / "02_b_lab.ipynb").read_text() == "new chapter"

@@ -4,6 +4,19 @@
     python tools/nbtool.py labs --check    # exit 1 if labs/ is out of date
     python tools/nbtool.py run [NB ...]    # execute notebooks in place (default: course/ + solutions/)
     python tools/nbtool.py new SRC.py OUT.ipynb   # build a notebook from a "# %%" percent script
+    python tools/nbtool.py normalize       # file names, metadata and START_HERE.ipynb (see below)
+
+File names: ``course/NN_slug.ipynb``, ``labs/NN_slug_lab.ipynb``,
+``solutions/NN_slug_solution.ipynb``, so that a lab and its solution open in
+JupyterLab tabs with different names. The older ``labs/NN_slug.ipynb`` and
+``solutions/NN_slug.ipynb`` still work as arguments everywhere (``exercise``,
+``labs NAME``); ``normalize`` renames such files to the new names.
+
+Metadata: every notebook is written with the kernelspec and language_info that
+ipykernel reports, cell ids, and no execution timestamps, so JupyterLab finds
+nothing to rewrite when it opens a notebook and the file does not turn
+"modified" (which would make the learner's next ``git pull`` conflict).
+``run``, ``new``, ``labs`` and ``normalize`` all write it that way.
 
 Marking a solution inside a code cell of ``solutions/NN_slug.ipynb``::
 
@@ -21,7 +34,9 @@ executed so they read well on the web.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import platform
 import re
 import sys
 import time
@@ -31,6 +46,195 @@ import nbformat
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?::\s*(?P<hint>.*))?$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
+SUFFIX = {"labs": "_lab", "solutions": "_solution", "course": ""}
+INDEX = "START_HERE.ipynb"
+# What ipykernel reports for the "python3" kernel (its kernel.json and its
+# kernel_info_reply); JupyterLab writes exactly these on open.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                 "pygments_lexer": "ipython3", "version": platform.python_version()}
+# Per-cell metadata that records one execution, not the notebook.
+TRANSIENT_CELL_KEYS = ("execution", "ExecuteTime", "collapsed", "scrolled")
+
+
+# ---------------------------------------------------------------- file names
+
+def chapter_of(path: str | pathlib.Path) -> str:
+    """'labs/04_ddp_buckets_lab.ipynb', 'solutions/04_ddp_buckets.ipynb', '04_ddp_buckets' -> '04_ddp_buckets'."""
+    stem = pathlib.Path(path).name.removesuffix(".ipynb")
+    for suffix in ("_lab", "_solution"):
+        stem = stem.removesuffix(suffix)
+    return stem
+
+
+def path_of(folder: str, chapter: str) -> pathlib.Path:
+    """The notebook of ``chapter`` in ``folder`` ("course", "labs", "solutions"), under ROOT."""
+    return ROOT / folder / f"{chapter}{SUFFIX[folder]}.ipynb"
+
+
+def resolve(nb_path: str | pathlib.Path) -> pathlib.Path:
+    """``labs/NN_slug.ipynb`` and ``labs/NN_slug_lab.ipynb`` alike (same for solutions):
+    the file that exists, preferring the path as given."""
+    given = ROOT / nb_path
+    if given.exists():
+        return given
+    folder = given.parent.name
+    if folder in SUFFIX:
+        other = path_of(folder, chapter_of(given))
+        if other.exists():
+            return other
+        legacy = given.parent / f"{chapter_of(given)}.ipynb"
+        if legacy.exists():
+            return legacy
+    return given
+
+
+def chapters() -> list[str]:
+    """Every chapter with at least one notebook, in order: ['01_why_distributed', ...]."""
+    found = {chapter_of(p) for folder in SUFFIX for p in (ROOT / folder).glob("[0-9]*.ipynb")}
+    return sorted(found)
+
+
+def rename_legacy() -> list[str]:
+    """Rename ``labs/NN_slug.ipynb`` -> ``labs/NN_slug_lab.ipynb`` (and solutions likewise).
+
+    If both names exist (a branch added the old name after the rename), the old
+    one is the newer content and replaces the new one.
+    """
+    moved = []
+    for folder in ("labs", "solutions"):
+        for old in sorted((ROOT / folder).glob("[0-9]*.ipynb")):
+            new = path_of(folder, chapter_of(old))
+            if old != new and old.stem == chapter_of(old):
+                os.replace(old, new)
+                moved.append(f"{old.relative_to(ROOT)} -> {new.relative_to(ROOT)}")
+    return moved
+
+
+# ---------------------------------------------------------------- metadata
+
+def _as_javascript_writes(value):
+    """JSON numbers as JavaScript writes them: 70.0 -> 70. JupyterLab re-serializes the
+    notebook in the browser, so an integral float in the saved widget state (a slider's
+    70.0) would otherwise change on every save."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        return int(value)
+    if isinstance(value, dict):
+        return type(value)((k, _as_javascript_writes(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_as_javascript_writes(v) for v in value]
+    return value
+
+
+def normalize(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Metadata as JupyterLab would leave it, so opening the notebook changes nothing."""
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata["language_info"] = dict(LANGUAGE_INFO)
+    nb.metadata = nbformat.from_dict(_as_javascript_writes(nb.metadata))
+    for i, cell in enumerate(nb.cells):
+        cell.metadata = nbformat.from_dict(_as_javascript_writes(cell.metadata))
+        for out in cell.get("outputs", []):  # JSON outputs (widget views, application/json)
+            for key in ("data", "metadata"):
+                if key in out:
+                    out[key] = nbformat.from_dict(_as_javascript_writes(out[key]))
+        for key in TRANSIENT_CELL_KEYS:
+            cell.metadata.pop(key, None)
+        if not cell.get("id"):
+            cell["id"] = f"cell-{i}"
+    ids = [c["id"] for c in nb.cells]
+    if len(set(ids)) != len(ids):  # duplicated ids make JupyterLab invent new ones
+        for i, cell in enumerate(nb.cells):
+            cell["id"] = f"cell-{i}"
+    return nb
+
+
+def write(nb: nbformat.NotebookNode, path: str | pathlib.Path) -> None:
+    nbformat.write(normalize(nb), path)
+
+
+def normalize_files(paths: list[pathlib.Path] | None = None) -> list[str]:
+    """Rewrite the notebooks whose file would change; returns those paths."""
+    changed = []
+    for path in paths or all_notebooks():
+        before = path.read_text(encoding="utf-8")
+        after = _text(normalize(nbformat.reads(before, as_version=4)))
+        if after != before:
+            path.write_text(after, encoding="utf-8")
+            changed.append(str(path.relative_to(ROOT)))
+    return changed
+
+
+def _text(nb: nbformat.NotebookNode) -> str:
+    """The file nbformat.write (and so Jupyter's server on save) writes for ``nb``."""
+    text = nbformat.writes(nb)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def all_notebooks() -> list[pathlib.Path]:
+    """Every notebook of the course, the landing page included."""
+    found = sorted(p for folder in SUFFIX for p in (ROOT / folder).glob("*.ipynb"))
+    return found + [ROOT / INDEX] if (ROOT / INDEX).exists() else found
+
+
+# ---------------------------------------------------------------- landing page
+
+def _title(chapter: str) -> str:
+    """'01 · Why LLM training ...' from the first heading of the course (or solution) notebook."""
+    for folder in ("course", "solutions", "labs"):
+        path = path_of(folder, chapter)
+        if not path.exists():
+            path = resolve(f"{folder}/{chapter}.ipynb")
+        if path.exists():
+            first = nbformat.read(path, as_version=4).cells[0].source.splitlines()[0]
+            title = re.sub(r"\s*\((course|solutions|lab[^)]*)\)\s*$", "", first.lstrip("# ").strip())
+            return re.sub(r"^\d+\s*·\s*", "", title)
+    return chapter
+
+
+def make_index() -> nbformat.NotebookNode:
+    """START_HERE.ipynb: one markdown cell linking every chapter's course, lab and solution."""
+    rows = []
+    for ch in chapters():
+        links = []
+        for folder, label in (("course", "course"), ("labs", "lab"), ("solutions", "solution")):
+            path = resolve(f"{folder}/{ch}.ipynb")
+            links.append(f"[{label}]({path.relative_to(ROOT).as_posix()})" if path.exists() else "")
+        rows.append(f"| {ch[:2]} | {_title(ch)} | " + " | ".join(links) + " |")
+    text = "\n".join([
+        "# Distributed LLM Training, hands-on: start here",
+        "",
+        "Each chapter has three notebooks. Read and run the **course** notebook first; then "
+        "fill in the exercises of the **lab** (each exercise is followed by a check cell that "
+        "says what is still wrong); the **solution** is the same lab solved. Click a link to open it.",
+        "",
+        "| # | chapter | | | |",
+        "| --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        "**Keep your work across updates.** The notebooks here are part of the course's "
+        "repository: if you edit and save them, `git pull` will refuse to update them. Run "
+        "`make my-copy` in a terminal and work in the `work/` folder it creates: your copies "
+        "are yours (git ignores `work/`), and running `make my-copy` again after a `git pull` "
+        "adds new chapters without touching the ones you have. `make reset` instead throws away "
+        "your changes to the repository's notebooks.",
+        "",
+        "The mechanisms the notebooks run live in `helpers/`, one module per mechanism; "
+        "each opens with an explanation worth reading beside its chapter.",
+    ])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text, id="start-here")])
+    return normalize(nb)
+
+
+def write_index() -> bool:
+    """Write START_HERE.ipynb if it changed; True if it did."""
+    text = _text(make_index())
+    path = ROOT / INDEX
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    path.write_text(text, encoding="utf-8")
+    return True
 
 
 def strip_solutions(source: str) -> str:
@@ -52,7 +256,9 @@ def strip_solutions(source: str) -> str:
 
 
 def make_lab(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    lab = nbformat.v4.new_notebook(metadata=solution.metadata)
+    # no widget state: a lab is committed without outputs
+    lab = nbformat.v4.new_notebook(metadata={k: v for k, v in solution.metadata.items()
+                                             if k != "widgets"})
     for cell in solution.cells:
         # execution timestamps belong to the executed solution, not to the lab
         meta = {k: v for k, v in cell.metadata.items() if k != "execution"}
@@ -77,24 +283,27 @@ def labs(check: bool, names: list[str] | None = None) -> int:
     """Regenerate (or, with check, compare) labs; ``names`` limits it to those notebooks."""
     stale = []
     # "03_all_reduce_ring", "03_all_reduce_ring.ipynb" or "solutions/03_..." alike
-    wanted = {pathlib.Path(n).stem + ".ipynb" for n in names or []}
-    unknown = wanted - {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
+    wanted = {chapter_of(n) for n in names or []}
+    solutions = {chapter_of(p): p for p in sorted((ROOT / "solutions").glob("[0-9]*.ipynb"))}
+    unknown = wanted - set(solutions)
     if unknown:
         print(f"no such solution notebook: {', '.join(sorted(unknown))}")
         return 2
-    for sol_path in sorted((ROOT / "solutions").glob("*.ipynb")):
-        if wanted and sol_path.name not in wanted:
+    for chapter, sol_path in sorted(solutions.items()):
+        if wanted and chapter not in wanted:
             continue
         lab = make_lab(nbformat.read(sol_path, as_version=4))
-        lab_path = ROOT / "labs" / sol_path.name
+        lab_path = path_of("labs", chapter)
         if check:
             if not lab_path.exists() or \
                     _normalized(nbformat.read(lab_path, as_version=4)) != _normalized(lab):
                 stale.append(lab_path.name)
         else:
-            for cell in lab.cells:
-                cell["id"] = f"cell-{lab.cells.index(cell)}"
-            nbformat.write(lab, lab_path)
+            for i, cell in enumerate(lab.cells):
+                cell["id"] = f"cell-{i}"
+            write(lab, lab_path)
+    if not check:
+        write_index()
     if stale:
         print(f"labs out of date (run `make labs`): {', '.join(stale)}")
         return 1
@@ -117,7 +326,7 @@ def run(paths: list[str], timeout: int = 600) -> int:
             failed += 1
             print(f"FAILED {path}: {str(exc)[-2000:]}")
             continue
-        nbformat.write(nb, path)
+        write(nb, path)
         print(f"{time.perf_counter() - start:6.1f} s  {path}")
     return 1 if failed else 0
 
@@ -125,8 +334,6 @@ def run(paths: list[str], timeout: int = 600) -> int:
 def from_percent(text: str) -> nbformat.NotebookNode:
     """'# %%' starts a code cell, '# %% [markdown]' a markdown cell (lines '# '-prefixed)."""
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-    nb.metadata["language_info"] = {"name": "python"}
     kind, lines = None, []
 
     def flush():
@@ -148,7 +355,7 @@ def from_percent(text: str) -> nbformat.NotebookNode:
     flush()
     for i, cell in enumerate(nb.cells):
         cell["id"] = f"cell-{i}"
-    return nb
+    return normalize(nb)
 
 
 def exercise(nb_path: str | pathlib.Path, name: str) -> object:
@@ -157,7 +364,7 @@ def exercise(nb_path: str | pathlib.Path, name: str) -> object:
 
     Tests use this to prove each check fails on the lab's real stub.
     """
-    nb = nbformat.read(ROOT / nb_path, as_version=4)
+    nb = nbformat.read(resolve(nb_path), as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     pattern = re.compile(rf"^(def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*=", re.M)
     cells = [src for src in code if pattern.search(src)]
@@ -181,12 +388,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", help="only these notebooks (e.g. 03_all_reduce_ring.ipynb)")
     p = sub.add_parser("run"); p.add_argument("paths", nargs="*")
     p = sub.add_parser("new"); p.add_argument("src"); p.add_argument("out")
+    sub.add_parser("normalize", help="rename old lab/solution names, normalize metadata, "
+                                     "rewrite START_HERE.ipynb")
     args = parser.parse_args(argv)
+    if args.cmd == "normalize":
+        for line in rename_legacy():
+            print(f"renamed {line}")
+        if write_index():
+            print(f"wrote {INDEX}")
+        for path in normalize_files():
+            print(f"normalized {path}")
+        return 0
     if args.cmd == "labs":
         return labs(args.check, args.names)
     if args.cmd == "run":
         return run(args.paths)
-    nbformat.write(from_percent(pathlib.Path(args.src).read_text()), args.out)
+    write(from_percent(pathlib.Path(args.src).read_text()), args.out)
     return 0
 
 

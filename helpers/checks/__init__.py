@@ -9,6 +9,10 @@ The contract between a lab and its checks, the same in every chapter:
   (an AssertionError) with a message saying *what* differed otherwise, also
   when the exercise still raises NotImplementedError.
 
+In a notebook a failing check shows only its message (see
+``CheckFailed._render_traceback_``), not a traceback through this package:
+the learner needs what was expected and what came back, not our frames.
+
 Tests in ``tests/test_checks_*.py`` prove that every check passes on the
 solution and fails on the lab's stub and on at least one plausible mistake.
 """
@@ -22,6 +26,19 @@ __all__ = ["CheckFailed", "attempt", "passed", "expect_close", "on_ranks"]
 
 class CheckFailed(AssertionError):
     """The learner's answer is wrong (or not written yet); the message says how."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (and so Jupyter) shows instead of the traceback.
+
+        IPython calls this hook on an exception that has it and prints the lines
+        it returns as the whole error. The frames would all be inside the check;
+        the message already names the case, what was expected and what came back.
+        A rank's traceback, when a check ran the learner's code on ranks, is part
+        of the message and so still shown.
+        """
+        red, bold, reset = "\x1b[31m", "\x1b[1m", "\x1b[0m"  # ANSI, as IPython's own tracebacks
+        first, *rest = str(self).splitlines() or ["(no message)"]
+        return [f"{red}{bold}✗ check failed:{reset} {first}", *rest]
 
 
 def attempt(fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:

@@ -228,5 +228,5 @@ def gantt(intervals, ax=None, title: str = "", num_chunks: int | None = None):
     ax.invert_yaxis()
     ax.set_xlabel("time")
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title)
     return ax
