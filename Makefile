@@ -6,6 +6,7 @@
 #   make normalize  file names, notebook metadata, START_HERE.ipynb (after adding a chapter)
 #   make test-browser  a real-browser smoke test (needs chromium and playwright)
 #   make test       setup, then the whole suite: pytest on tests/, nbval on course/ and solutions/
+#                   (not the browser test: it runs only where chromium is, by make test-browser)
 #   make labs       regenerate labs/ from solutions/
 #   make notebooks  re-execute course/ and solutions/ in place (outputs are committed)
 #   make bench      run the benchmarks and print their tables
@@ -55,7 +56,7 @@ test-browser: setup
 	$(BIN)/python -m pytest tests/test_browser.py -p no:cacheprovider -v -rs
 
 test: setup
-	$(BIN)/python -m pytest tests course solutions --nbval-lax --nbval-current-env -p no:cacheprovider
+	$(BIN)/python -m pytest tests course solutions -m "not browser" --nbval-lax --nbval-current-env -p no:cacheprovider
 
 labs: setup
 	$(BIN)/python tools/nbtool.py labs

@@ -8,7 +8,7 @@ from helpers.checks import CheckFailed, ch01
 from helpers.steptime import classify_bottleneck
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/01_why_distributed.ipynb", "solutions/01_why_distributed.ipynb"
+LAB, SOL = "labs/01_why_distributed_lab.ipynb", "solutions/01_why_distributed_solution.ipynb"
 
 
 @pytest.mark.parametrize("name, check", [

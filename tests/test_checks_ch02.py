@@ -7,7 +7,7 @@ from helpers import rank_info
 from helpers.checks import CheckFailed, ch02
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/02_sync_sgd_data_parallel.ipynb", "solutions/02_sync_sgd_data_parallel.ipynb"
+LAB, SOL = "labs/02_sync_sgd_data_parallel_lab.ipynb", "solutions/02_sync_sgd_data_parallel_solution.ipynb"
 
 
 def test_stubs_fail_without_starting_ranks():

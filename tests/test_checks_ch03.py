@@ -8,7 +8,7 @@ from helpers.checks import CheckFailed, ch03
 from helpers.collectives import chunk_bounds, ring_all_gather, ring_reduce_scatter
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/03_all_reduce_ring.ipynb", "solutions/03_all_reduce_ring.ipynb"
+LAB, SOL = "labs/03_all_reduce_ring_lab.ipynb", "solutions/03_all_reduce_ring_solution.ipynb"
 CHECKS = [("reduce_scatter", ch03.check_reduce_scatter), ("all_gather", ch03.check_all_gather),
           ("ring_average", ch03.check_ring_average)]
 

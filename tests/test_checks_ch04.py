@@ -6,7 +6,7 @@ from helpers.checks import CheckFailed, ch04
 from helpers.ddp import BucketedDDP
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/04_ddp_buckets.ipynb", "solutions/04_ddp_buckets.ipynb"
+LAB, SOL = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
 
 
 def _forward_order(sizes, cap, first):  # buckets in registration order

@@ -5,7 +5,7 @@ import pytest
 from helpers.checks import CheckFailed, ch05
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/05_batch_size_lr_scaling.ipynb", "solutions/05_batch_size_lr_scaling.ipynb"
+LAB, SOL = "labs/05_batch_size_lr_scaling_lab.ipynb", "solutions/05_batch_size_lr_scaling_solution.ipynb"
 
 
 def _unscaled(ddp, micro):  # forgets the 1/k: k times the gradient

@@ -7,7 +7,7 @@ from helpers.checks import CheckFailed
 from helpers.checks import ch06
 from tools.nbtool import exercise
 
-SOL, LAB = "solutions/06_where_memory_goes.ipynb", "labs/06_where_memory_goes.ipynb"
+SOL, LAB = "solutions/06_where_memory_goes_solution.ipynb", "labs/06_where_memory_goes_lab.ipynb"
 CASES = [("model_state_bytes", ch06.check_model_state_bytes),
          ("activation_bytes", ch06.check_activation_bytes),
          ("saved_bytes", ch06.check_saved_bytes)]

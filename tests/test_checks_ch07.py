@@ -8,7 +8,7 @@ from helpers.topology import (all_reduce_time, packed_ranks, ring_all_gather, ri
                               ring_reduce_scatter)
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/07_nccl_topology.ipynb", "solutions/07_nccl_topology.ipynb"
+LAB, SOL = "labs/07_nccl_topology_lab.ipynb", "solutions/07_nccl_topology_solution.ipynb"
 CHECKS = [("node_layout", ch07.check_node_layout), ("hierarchical", ch07.check_hierarchical),
           ("placement_times", ch07.check_placement_times)]
 

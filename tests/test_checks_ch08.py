@@ -10,7 +10,7 @@ from helpers.checks import CheckFailed, ch08
 from helpers.tp import g, tp_rank, tp_size
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/08_tensor_parallel_basics.ipynb", "solutions/08_tensor_parallel_basics.ipynb"
+LAB, SOL = "labs/08_tensor_parallel_basics_lab.ipynb", "solutions/08_tensor_parallel_basics_solution.ipynb"
 
 
 def test_solution_passes_and_stubs_fail(capsys):

@@ -8,7 +8,7 @@ from helpers.checks import CheckFailed, ch09
 from helpers.tp import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/09_tp_in_transformer.ipynb", "solutions/09_tp_in_transformer.ipynb"
+LAB, SOL = "labs/09_tp_in_transformer_lab.ipynb", "solutions/09_tp_in_transformer_solution.ipynb"
 
 
 def test_solution_passes_and_stub_fails(capsys):

@@ -8,7 +8,7 @@ from helpers.checks import CheckFailed, ch11
 from helpers.model import lm_loss
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/11_pipeline_basics.ipynb", "solutions/11_pipeline_basics.ipynb"
+LAB, SOL = "labs/11_pipeline_basics_lab.ipynb", "solutions/11_pipeline_basics_solution.ipynb"
 
 
 def test_partition_solution_passes_and_stub_fails(capsys):

@@ -7,7 +7,7 @@ from helpers.checks import CheckFailed, ch12
 from helpers.pipeline import B, F, gpipe
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/12_pipeline_schedules.ipynb", "solutions/12_pipeline_schedules.ipynb"
+LAB, SOL = "labs/12_pipeline_schedules_lab.ipynb", "solutions/12_pipeline_schedules_solution.ipynb"
 
 
 def reversed_warmup(p, m):

@@ -7,8 +7,8 @@ from helpers.checks import CheckFailed
 from helpers.checks import ch13
 from tools.nbtool import exercise
 
-SOL = "solutions/13_recompute_and_precision.ipynb"
-LAB = "labs/13_recompute_and_precision.ipynb"
+SOL = "solutions/13_recompute_and_precision_solution.ipynb"
+LAB = "labs/13_recompute_and_precision_lab.ipynb"
 CASES = [("Checkpoint", ch13.check_checkpoint),
          ("update_delayed_scale", ch13.check_delayed_scale)]
 

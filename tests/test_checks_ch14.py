@@ -8,7 +8,7 @@ from helpers.checks import CheckFailed, ch14
 from helpers.zero import adamw_update, all_gather, reduce_scatter
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/14_zero_stages.ipynb", "solutions/14_zero_stages.ipynb"
+LAB, SOL = "labs/14_zero_stages_lab.ipynb", "solutions/14_zero_stages_solution.ipynb"
 
 
 @pytest.mark.parametrize("name, check", [

@@ -7,7 +7,7 @@ from helpers.checks import CheckFailed, ch15
 from helpers.zero import all_gather
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/15_fsdp.ipynb", "solutions/15_fsdp.ipynb"
+LAB, SOL = "labs/15_fsdp_lab.ipynb", "solutions/15_fsdp_solution.ipynb"
 
 
 def test_solution_passes_and_stubs_fail(capsys):

@@ -5,7 +5,7 @@ import pytest
 from helpers.checks import CheckFailed, ch16
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/16_comm_overlap.ipynb", "solutions/16_comm_overlap.ipynb"
+LAB, SOL = "labs/16_comm_overlap_lab.ipynb", "solutions/16_comm_overlap_solution.ipynb"
 
 
 @pytest.mark.parametrize("name, check", [
