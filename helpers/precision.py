@@ -77,6 +77,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from helpers.recompute import forward_state
+
 __all__ = ["DynamicLossScaler", "E4M3", "E5M2", "FP8_MAX", "fp8_scale", "quantize",
            "dequantize", "fp8_round_trip", "update_delayed_scale", "DelayedScaling",
            "FP8Linear", "swap_to_fp8", "FP8SavedTensors", "scaled_mm_available", "fp8_gemm",
@@ -281,12 +283,18 @@ class DelayedScaling:
         self.scale = torch.tensor(1.0)
         self.steps = 0
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cast with the scale from earlier steps, then record this tensor's amax.
 
         First call: no history yet, so the tensor's own amax sets the scale
         (Transformer Engine instead starts at scale 1 and lets the first step
-        saturate). Returns (x8, the scale used)."""
+        saturate). With ``scale`` given, as when a recompute replays an
+        earlier forward, cast with it and record nothing: the history
+        advances once per pass, not once more per recompute.
+        Returns (x8, the scale used)."""
+        if scale is not None:
+            return quantize(x.detach(), self.dtype, scale.to(x.device)), scale
         amax = x.detach().abs().max().float().cpu()
         if self.steps == 0:
             self.scale = fp8_scale(amax, self.dtype, self.margin)
@@ -384,8 +392,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer: "FP8Linear"):
         out_dtype = x.dtype
         x2 = x.reshape(-1, x.size(-1))                                  # (M, K)
-        x8, sx = layer.input_scaling.quantize(x2)                        # E4M3
-        w8, sw = layer.weight_scaling.quantize(weight)                   # E4M3, (N, K)
+        x8, sx, w8, sw = layer.quantize_operands(x2, weight)             # E4M3, w8 (N, K)
         y = fp8_gemm(x8, w8.t(), sx, sw, out_dtype)                      # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -411,6 +418,12 @@ class FP8Linear(nn.Linear):
     The parameters stay in their dtype (the "master" copy); each step
     quantizes them. In eval mode or with grad disabled it runs the same FP8
     forward. ``history_len``, ``margin`` and ``algo`` go to every scaling.
+
+    Under activation recompute (``helpers.recompute``) the recomputed forward
+    reuses the scales of the forward it replays and records no amax, as
+    Transformer Engine's checkpoint does: the same FP8 operands, so the same
+    gradients as without recompute, and each scaling history advances once
+    per forward/backward pass.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -430,6 +443,21 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self)
+
+    def quantize_operands(self, x2: torch.Tensor, weight: torch.Tensor):
+        """(x8, sx, w8, sw): input and weight in E4M3 with their scales.
+
+        In a checkpointed segment's first forward, remember the scales used
+        (one entry per call: a layer may run more than once in a segment); in
+        its recompute, take them back in the same order instead of the
+        current ones, and record nothing."""
+        state = forward_state()
+        replayed = state[1][id(self)].pop(0) if state and state[0] == "replay" else (None, None)
+        x8, sx = self.input_scaling.quantize(x2, replayed[0])
+        w8, sw = self.weight_scaling.quantize(weight, replayed[1])
+        if state and state[0] == "record":
+            state[1].setdefault(id(self), []).append((sx, sw))
+        return x8, sx, w8, sw
 
 
 def swap_to_fp8(model: nn.Module, skip: Iterable[str] = ("lm_head",), **kwargs) -> nn.Module:

@@ -291,3 +291,43 @@ def test_cuda_fp8_gemm_equals_fp32_reference(m, k, n):
     mag = (a8.cpu().float().abs() / 4) @ (b8.cpu().float().abs() / 2)
     err = (got.cpu() - ref).abs()
     assert (err <= 2**-10 * mag + 1e-6).all(), (err / (mag + 1e-12)).max()
+
+
+def _fp8_training_grads(recompute: str, steps: int = 4, jump_at: int = 2):
+    """FP8 toy GPT, ``steps`` forward/backward passes on one batch; before pass
+    ``jump_at`` every FP8 weight is multiplied by 8, so its amax jumps and the
+    delayed scale of the next passes moves. Returns each pass's gradients and
+    the FP8 layers' scaling objects."""
+    model = swap_to_fp8(build_model("toy", seed=0))
+    apply_recompute(model, recompute)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    grads = []
+    for step in range(steps):
+        if step == jump_at:
+            with torch.no_grad():
+                for m in fp8:
+                    m.weight.mul_(8)
+        model.zero_grad(set_to_none=True)
+        model(idx, idx)[1].backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return grads, [s for m in fp8 for s in (m.input_scaling, m.weight_scaling, m.grad_scaling)]
+
+
+@pytest.mark.parametrize("recompute", ["full", "segments"])
+def test_fp8_under_recompute_replays_the_forward_scales(recompute):
+    # A recomputed forward must quantize with the scales of the forward it
+    # replays and record nothing: the same FP8 operands, so the same gradients
+    # bit for bit as without recompute (the control without FP8 is bit-equal
+    # too: test_recompute.py), and the history advanced once per pass.
+    plain, plain_scalings = _fp8_training_grads("none")
+    again, scalings = _fp8_training_grads(recompute)
+    for step, (a, b) in enumerate(zip(again, plain)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), (step, name)
+    assert [s.steps for s in scalings] == [4] * len(scalings)
+    for s, t in zip(scalings, plain_scalings):
+        assert torch.equal(s.amax_history, t.amax_history) and torch.equal(s.scale, t.scale)
+    # the weight jump really moved the scales (else the test could not fail)
+    w = plain_scalings[1].amax_history
+    assert w[0] > 4 * w[-1] > 0 or w[1] > 4 * w[2] > 0
