@@ -100,6 +100,10 @@ class DynamicLossScaler:
         loss_scaled = scaler.scale(loss); loss_scaled.backward()
         stepped = scaler.step(optimizer, params)   # unscale, skip on inf/nan
         scaler.update()                            # grow or back off the scale
+
+    With an fp16 model and fp32 master weights (the optimizer's), pass both:
+    ``scaler.step(optimizer, fp16_params, master_params)`` unscales each fp16
+    gradient in fp32 into its master's ``.grad``.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -122,21 +126,48 @@ class DynamicLossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_value
 
-    def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
-        """Divide every gradient by the scale (in its own dtype); True if any is inf/nan."""
-        inv = 1.0 / self.scale_value
+    def unscale_(self, params: Iterable[torch.Tensor],
+                 master_params: Iterable[torch.Tensor] | None = None) -> bool:
+        """Divide every gradient by the scale, in fp32; True if any is inf/nan.
+
+        fp32 gradients are unscaled in place. An fp16/bf16 gradient cannot
+        hold the unscaled value: the small gradients that scaling lifted into
+        fp16's range would fall out of it again (below 2^-24 they flush to
+        0). So it is unscaled in fp32 into the ``.grad`` of its fp32 master
+        parameter (``master_params``, same order), the mixed-precision recipe
+        (Micikevicius et al. 2018, sec. 3.1); without master parameters it is
+        refused, as ``torch.amp.GradScaler`` refuses to unscale fp16 gradients.
+        """
+        params = list(params)
+        masters = None if master_params is None else list(master_params)
+        if masters is not None and len(masters) != len(params):
+            raise ValueError(f"{len(params)} parameters but {len(masters)} master parameters")
+        inv = _f32(1.0 / self.scale_value)   # GradScaler: an fp32 reciprocal of the scale
         found = False
-        for p in params:
+        for i, p in enumerate(params):
             if p.grad is None:
                 continue
             found |= not bool(torch.isfinite(p.grad).all())
-            p.grad.mul_(inv)
+            if p.grad.dtype == torch.float32 and masters is None:
+                p.grad.mul_(inv)
+                continue
+            if masters is None:
+                raise ValueError(f"parameter {i} has a {p.grad.dtype} gradient: unscaled in "
+                                 f"its own dtype its small entries underflow again; pass fp32 "
+                                 f"master_params to receive the unscaled gradients")
+            m = masters[i]
+            if m.dtype != torch.float32 or m.shape != p.shape:
+                raise ValueError(f"master parameter {i} must be float32 of shape "
+                                 f"{tuple(p.shape)}, got {m.dtype} {tuple(m.shape)}")
+            m.grad = p.grad.float().mul_(inv)   # widen first, then divide: exact widening
         self.found_inf = found
         return found
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
-        """Unscale, then step unless a gradient overflowed. Returns whether it stepped."""
-        if self.unscale_(params):
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+             master_params: Iterable[torch.Tensor] | None = None) -> bool:
+        """Unscale (into ``master_params`` if given, see ``unscale_``), then step
+        unless a gradient overflowed. Returns whether it stepped."""
+        if self.unscale_(params, master_params):
             return False
         optimizer.step()
         return True

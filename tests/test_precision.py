@@ -68,6 +68,28 @@ def test_loss_scaler_equals_grad_scaler(growth_interval, growth, backoff):
         assert ours.scale_value == theirs.get_scale(), step
 
 
+def test_loss_scaler_unscales_fp16_gradients_in_fp32():
+    # A true gradient of 2^-26 is below fp16's smallest subnormal (2^-24); scaled
+    # by 2^16 it is 2^-10, at home in fp16. Unscaled in fp16 it flushes to 0
+    # again; unscaled in fp32 (into the fp32 master's .grad) it survives, exactly.
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16)
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    master = torch.nn.Parameter(half.detach().float())
+    half.grad = torch.tensor([2.0 ** -10, 1.0, 0.0], dtype=torch.float16)
+    assert (half.grad * 2.0 ** -16)[0] == 0                        # the fp16 way loses it
+    stepped = scaler.step(torch.optim.SGD([master], lr=1.0), [half], [master])
+    assert stepped and master.grad.dtype == torch.float32
+    assert torch.equal(master.grad, torch.tensor([2.0 ** -26, 2.0 ** -16, 0.0]))
+    assert torch.equal(master.detach(), -master.grad)              # the update used it
+    # without a master parameter an fp16 gradient is refused, as GradScaler does
+    with pytest.raises(ValueError, match="float16 gradient.*master_params"):
+        scaler.unscale_([half])
+    with pytest.raises(ValueError, match="must be float32"):
+        scaler.unscale_([half], [torch.zeros(3, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="1 parameters but 2 master"):
+        scaler.unscale_([half], [master, master])
+
+
 def test_loss_scaler_errors():
     with pytest.raises(ValueError, match="backoff_factor must be in"):
         DynamicLossScaler(backoff_factor=2.0)
