@@ -11,7 +11,8 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
 2. **Buckets.** Trainable parameters are grouped into buckets of about
    ``bucket_cap_mb`` (default 25 MB), in *reverse registration order*: a
    model's last layers are registered last but get their gradients first in
-   backward, so the first bucket fills first. The first bucket is kept small
+   backward, so the first bucket fills first. (DDP reaches this layout only
+   after its first iteration; see "How production differs".) The first bucket is kept small
    (``first_bucket_mb``, default 1 MB) so that the first all-reduce starts
    as early as possible (Li et al. 2020, sec. 3.2.3 and 4.2; DDP's
    ``bucket_cap_mb`` / first-bucket cap).
@@ -61,10 +62,33 @@ resolve to the *averaged* flat gradient, same shape. Chapter 16 plugs
 compression in here.
 
 How production differs: DDP's reducer is C++; it makes ``.grad`` a view into
-the bucket (no copy back, ``gradient_as_bucket_view``), rebuilds buckets after
-the first iteration from the order gradients really arrived, supports sparse
+the bucket (no copy back, ``gradient_as_bucket_view``), supports sparse
 gradients, static graphs and mixed devices, and (with NCCL) runs the
-all-reduce on a separate CUDA stream.
+all-reduce on a separate CUDA stream. Two differences change what a reader
+of a trace or a profile sees:
+
+* **Bucket layout over time.** DDP builds its *first* buckets before any
+  backward has run, from the parameters in *registration* order (with
+  ``find_unused_parameters=True`` the first-registered parameters fill the
+  small first bucket and the list of buckets is then reversed; with the
+  default ``find_unused_parameters=False``, recent versions start from a
+  single bucket holding everything). During the first backward the reducer
+  records the order in which gradients really became ready, and once, after
+  that first iteration, rebuilds the buckets in that order with the small
+  bucket first (``Reducer::rebuild_buckets``; never with
+  ``find_unused_parameters=True``). ``BucketedDDP`` uses a fixed *reverse
+  registration* order from the start: that is the rebuilt layout for a model
+  whose gradients arrive last-layer-first, not DDP's first iteration, and it
+  never looks at the real arrival order. The averaged gradients are the same
+  either way; which all-reduce carries which gradient, and so the overlap,
+  differs.
+* **Buffers every forward.** DDP broadcasts rank 0's buffers (BatchNorm's
+  running statistics, for instance) at the start of *every* forward by
+  default (``broadcast_buffers=True``, renamed ``forward_sync_buffers`` in
+  torch 2.13), so ranks keep identical buffers even when each updates them
+  from its own shard. ``BucketedDDP`` broadcasts buffers once, at
+  construction; a module whose forward changes its buffers drifts apart
+  across ranks here (the course's GPT has none).
 """
 
 from __future__ import annotations

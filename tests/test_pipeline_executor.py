@@ -37,6 +37,8 @@ def _references(x, y):
 def _cases(p):
     cases = [(gpipe(p, m), 1) for m in (1, p, 12)] + [(one_f_one_b(p, m), 1) for m in (2, 4, 6)]
     cases += [(interleaved_1f1b(p, p * k, 2), 2) for k in (1, 2)]
+    # and an m that p does not divide (interleaving no longer needs it to)
+    cases.append((interleaved_1f1b(p, {2: 3, 3: 8, 4: 6}[p], 2), 2))
     return cases
 
 
