@@ -102,19 +102,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.dp import broadcast_parameters, unique_parameters
-from helpers.dp import world_size as _world
+from helpers.dp import world_size
 
-__all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook", "MB"]
+__all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook",
+           "completed_future", "MB"]
 
 MB = 1024 * 1024  # DDP's bucket_cap_mb counts binary megabytes
 
 
-def _done(value: torch.Tensor) -> torch.futures.Future:
+def completed_future(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``: what a comm hook returns when the
+    work is done synchronously (one rank, or a blocking collective), so that
+    callers can ``.wait()`` on every hook alike."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
-
-
 
 
 def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
@@ -122,9 +124,9 @@ def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
 
     Dividing before summing (as DDP's default does) keeps fp16 sums in range.
     """
-    p = _world(group)
+    p = world_size(group)
     if p == 1:
-        return _done(flat_grad)
+        return completed_future(flat_grad)
     flat_grad.div_(p)
     work = dist.all_reduce(flat_grad, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -134,11 +136,11 @@ def ring_allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Fu
     """Our ring from ch. 03 as the bucket all-reduce (synchronous, so no overlap)."""
     from helpers.collectives import ring_all_reduce
 
-    p = _world(group)
+    p = world_size(group)
     if p > 1:
         flat_grad.div_(p)
         ring_all_reduce(flat_grad, group)
-    return _done(flat_grad)
+    return completed_future(flat_grad)
 
 
 def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: float,
@@ -208,7 +210,7 @@ class BucketedDDP(nn.Module):
             raise TypeError("comm_hook must be callable(flat_grad, group) -> Future")
         self.module = module
         self.process_group = process_group
-        self.world_size = _world(process_group)
+        self.world_size = world_size(process_group)
         self.comm_hook = comm_hook or allreduce_hook
         self.find_unused_parameters = bool(find_unused_parameters)
         self.require_backward_grad_sync = True
