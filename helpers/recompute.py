@@ -120,7 +120,9 @@ class Checkpoint(torch.autograd.Function):
         ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
-        ctx.memo = {}  # what stateful layers (FP8 scales) must replay in the recompute
+        # what stateful layers (FP8 scales) must replay in the recompute; each
+        # backward replays from a copy, so a retained graph can replay it again
+        ctx.memo = {}
         with torch.no_grad(), _phase("record", ctx.memo):  # (autograd is off here anyway)
             return run_fn(*args)
 
@@ -142,7 +144,7 @@ class Checkpoint(torch.autograd.Function):
             with torch.enable_grad(), cuda_autocast, \
                     torch.autocast("cpu", dtype=ctx.autocast["cpu"][1],
                                    enabled=ctx.autocast["cpu"][0]), \
-                    _phase("replay", ctx.memo):
+                    _phase("replay", {k: list(v) for k, v in ctx.memo.items()}):
                 outputs = ctx.run_fn(*inputs)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)

@@ -353,3 +353,15 @@ def test_fp8_under_recompute_replays_the_forward_scales(recompute):
     # the weight jump really moved the scales (else the test could not fail)
     w = plain_scalings[1].amax_history
     assert w[0] > 4 * w[-1] > 0 or w[1] > 4 * w[2] > 0
+
+
+def test_fp8_recompute_replays_again_with_a_retained_graph():
+    model = swap_to_fp8(build_model("toy", seed=0))
+    apply_recompute(model, "full")
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(idx, idx)[1]
+    loss.backward(retain_graph=True)
+    first = model.blocks[0].mlp.c_fc.weight.grad.clone()
+    loss.backward()                      # a second recompute, the same scales again
+    assert torch.equal(model.blocks[0].mlp.c_fc.weight.grad, 2 * first)
+    assert model.blocks[0].mlp.c_fc.input_scaling.steps == 1
