@@ -55,18 +55,10 @@ import torch
 import torch.distributed as dist
 
 from helpers.comm import all_gather, ring_bytes_sent
+from helpers.ddp import completed_future
+from helpers.dp import world_size
 
 __all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "powersgd_shape"]
-
-
-def _world(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def _done(value: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 class _Counting:
@@ -97,12 +89,12 @@ class cast_hook(_Counting):  # noqa: N801 - used like a function factory
         self.dtype = dtype
 
     def __call__(self, flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
-        n = _world(group)
+        n = world_size(group)
         self._dense(flat_grad, n)
         low = flat_grad.div(n).to(self.dtype)  # divide first: fp16 sums stay in range
         self.bytes_sent += ring_bytes_sent("all_reduce", low.numel() * low.element_size(), n)
         if n == 1:
-            return _done(flat_grad.copy_(low))
+            return completed_future(flat_grad.copy_(low))
         work = dist.all_reduce(low, group=group, async_op=True)
         return work.get_future().then(lambda fut: flat_grad.copy_(fut.value()[0]))
 
@@ -118,7 +110,7 @@ class TopKHook(_Counting):
         self.errors: dict[tuple[int, int], torch.Tensor] = {}
 
     def __call__(self, flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
-        n = _world(group)
+        n = world_size(group)
         self._dense(flat_grad, n)
         key = (flat_grad.data_ptr(), flat_grad.numel())
         acc = flat_grad.clone()
@@ -141,7 +133,7 @@ class TopKHook(_Counting):
             all_gather(all_vals, vals.contiguous(), group=group)
         out = torch.zeros_like(flat_grad)
         out.index_add_(0, all_idx, all_vals)  # ranks' supports overlap: add, then average
-        return _done(flat_grad.copy_(out.div_(n)))
+        return completed_future(flat_grad.copy_(out.div_(n)))
 
 
 def powersgd_shape(numel: int) -> tuple[int, int]:
@@ -162,7 +154,7 @@ class PowerSGDHook(_Counting):
         self.qs: dict[tuple[int, int], torch.Tensor] = {}
 
     def __call__(self, flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
-        world = _world(group)
+        world = world_size(group)
         self._dense(flat_grad, world)
         key = (flat_grad.data_ptr(), flat_grad.numel())
         n, m = powersgd_shape(flat_grad.numel())
@@ -189,7 +181,7 @@ class PowerSGDHook(_Counting):
         approx = P @ Q.t()                                 # (n, m): mean over ranks, rank r
         if self.error_feedback:
             self.errors[key] = (M - approx).reshape(-1)
-        return _done(flat_grad.copy_(approx.reshape(-1)[:flat_grad.numel()]))
+        return completed_future(flat_grad.copy_(approx.reshape(-1)[:flat_grad.numel()]))
 
     def _allreduce_mean(self, t: torch.Tensor, group, world: int) -> None:
         self.bytes_sent += ring_bytes_sent("all_reduce", t.numel() * t.element_size(), world)

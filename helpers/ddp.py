@@ -11,7 +11,8 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
 2. **Buckets.** Trainable parameters are grouped into buckets of about
    ``bucket_cap_mb`` (default 25 MB), in *reverse registration order*: a
    model's last layers are registered last but get their gradients first in
-   backward, so the first bucket fills first. The first bucket is kept small
+   backward, so the first bucket fills first. (DDP reaches this layout only
+   after its first iteration; see "How production differs".) The first bucket is kept small
    (``first_bucket_mb``, default 1 MB) so that the first all-reduce starts
    as early as possible (Li et al. 2020, sec. 3.2.3 and 4.2; DDP's
    ``bucket_cap_mb`` / first-bucket cap).
@@ -61,10 +62,33 @@ resolve to the *averaged* flat gradient, same shape. Chapter 16 plugs
 compression in here.
 
 How production differs: DDP's reducer is C++; it makes ``.grad`` a view into
-the bucket (no copy back, ``gradient_as_bucket_view``), rebuilds buckets after
-the first iteration from the order gradients really arrived, supports sparse
+the bucket (no copy back, ``gradient_as_bucket_view``), supports sparse
 gradients, static graphs and mixed devices, and (with NCCL) runs the
-all-reduce on a separate CUDA stream.
+all-reduce on a separate CUDA stream. Two differences change what a reader
+of a trace or a profile sees:
+
+* **Bucket layout over time.** DDP builds its *first* buckets before any
+  backward has run, from the parameters in *registration* order (with
+  ``find_unused_parameters=True`` the first-registered parameters fill the
+  small first bucket and the list of buckets is then reversed; with the
+  default ``find_unused_parameters=False``, recent versions start from a
+  single bucket holding everything). During the first backward the reducer
+  records the order in which gradients really became ready, and once, after
+  that first iteration, rebuilds the buckets in that order with the small
+  bucket first (``Reducer::rebuild_buckets``; never with
+  ``find_unused_parameters=True``). ``BucketedDDP`` uses a fixed *reverse
+  registration* order from the start: that is the rebuilt layout for a model
+  whose gradients arrive last-layer-first, not DDP's first iteration, and it
+  never looks at the real arrival order. The averaged gradients are the same
+  either way; which all-reduce carries which gradient, and so the overlap,
+  differs.
+* **Buffers every forward.** DDP broadcasts rank 0's buffers (BatchNorm's
+  running statistics, for instance) at the start of *every* forward by
+  default (``broadcast_buffers=True``, renamed ``forward_sync_buffers`` in
+  torch 2.13), so ranks keep identical buffers even when each updates them
+  from its own shard. ``BucketedDDP`` broadcasts buffers once, at
+  construction; a module whose forward changes its buffers drifts apart
+  across ranks here (the course's GPT has none).
 """
 
 from __future__ import annotations
@@ -78,19 +102,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.dp import broadcast_parameters, unique_parameters
-from helpers.dp import world_size as _world
+from helpers.dp import world_size
 
-__all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook", "MB"]
+__all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook",
+           "completed_future", "MB"]
 
 MB = 1024 * 1024  # DDP's bucket_cap_mb counts binary megabytes
 
 
-def _done(value: torch.Tensor) -> torch.futures.Future:
+def completed_future(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``: what a comm hook returns when the
+    work is done synchronously (one rank, or a blocking collective), so that
+    callers can ``.wait()`` on every hook alike."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
-
-
 
 
 def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
@@ -98,9 +124,9 @@ def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
 
     Dividing before summing (as DDP's default does) keeps fp16 sums in range.
     """
-    p = _world(group)
+    p = world_size(group)
     if p == 1:
-        return _done(flat_grad)
+        return completed_future(flat_grad)
     flat_grad.div_(p)
     work = dist.all_reduce(flat_grad, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -110,11 +136,11 @@ def ring_allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Fu
     """Our ring from ch. 03 as the bucket all-reduce (synchronous, so no overlap)."""
     from helpers.collectives import ring_all_reduce
 
-    p = _world(group)
+    p = world_size(group)
     if p > 1:
         flat_grad.div_(p)
         ring_all_reduce(flat_grad, group)
-    return _done(flat_grad)
+    return completed_future(flat_grad)
 
 
 def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: float,
@@ -184,7 +210,7 @@ class BucketedDDP(nn.Module):
             raise TypeError("comm_hook must be callable(flat_grad, group) -> Future")
         self.module = module
         self.process_group = process_group
-        self.world_size = _world(process_group)
+        self.world_size = world_size(process_group)
         self.comm_hook = comm_hook or allreduce_hook
         self.find_unused_parameters = bool(find_unused_parameters)
         self.require_backward_grad_sync = True

@@ -52,6 +52,7 @@ Bytes are decimal (1 GB = 1e9 bytes), as in the papers we compare against.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Callable
@@ -276,7 +277,7 @@ class SavedRecord:
     dtype: torch.dtype
     nbytes: int            # bytes it adds: 0 for a parameter or a storage already counted
     storage_bytes: int     # bytes of the whole storage it keeps alive
-    is_param: bool
+    is_param: bool         # a parameter (or a tensor in ``exclude``): not counted
     in_backward: bool      # saved while backward ran (a recompute), not by the forward
 
 
@@ -305,7 +306,7 @@ def _in_backward() -> bool:
 
 
 class SavedTensorCounter:
-    """Count the bytes autograd saves for backward, per module.
+    """Count the bytes autograd saves for backward, per module or per owner.
 
         with SavedTensorCounter(model) as c:
             loss = model(x, y)[1]
@@ -314,28 +315,39 @@ class SavedTensorCounter:
         c.peak_bytes           # most bytes held at once (forward + recompute in backward)
 
     Counted once per storage (views share memory), parameters excluded (model
-    state, not activations). ``total_bytes`` is what the forward leaves for
+    state, not activations), and any tensor in ``exclude`` too (a batch that
+    lives whatever happens). ``total_bytes`` is what the forward leaves for
     backward; ``peak_bytes`` also sees tensors a recompute saves during
     backward, released as backward consumes them. Keep the backward call inside
     the ``with`` block to let the counter see the recompute.
+
+    Owners (the pipeline's stash, chapter 12): ``with c.saving(owner):``
+    counts what autograd saves inside the block as ``owner``'s (for example
+    ``(micro-batch, chunk)``), and ``c.hold(owner, t)`` counts a tensor the
+    caller keeps itself until that tensor object dies. A storage belongs to
+    the owner that first made it alive. Every time a storage becomes alive or
+    dies, ``log`` gets ``(owner, +bytes or -bytes)``; ``unit_bytes`` and
+    ``peaks`` read it (see ``helpers.pipeline.stash``).
     """
 
-    def __init__(self, model: nn.Module | None = None):
+    def __init__(self, model: nn.Module | None = None, exclude=()):
         self.model = model
         self.records: list[SavedRecord] = []
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._live: dict[int, list[int]] = {}    # storage ptr -> [holders alive, bytes]
+        self.log: list[tuple] = []               # (owner, +bytes | -bytes), in time order
+        self._live: dict[int, list] = {}          # storage ptr -> [holders alive, bytes, owner]
         self._seen_forward: set[int] = set()
         self._stack = ["<top>"]
+        self._owner = None                        # set inside saving(owner)
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._params: set[int] = set()
+        self._skip: set[int] = {_storage(t)[0] for t in exclude}
 
     # -- context manager --------------------------------------------------
     def __enter__(self) -> "SavedTensorCounter":
         if self.model is not None:
-            self._params = {_storage(p)[0] for p in self.model.parameters()}
+            self._skip |= {_storage(p)[0] for p in self.model.parameters()}
             for name, mod in self.model.named_modules():
                 if not name:
                     continue
@@ -355,24 +367,41 @@ class SavedTensorCounter:
     def _pop(self) -> None:
         self._stack.pop()   # returns None, so the module's output is left alone
 
+    @contextlib.contextmanager
+    def saving(self, owner):
+        """Count what autograd saves inside this block as ``owner``'s."""
+        outer, self._owner = self._owner, owner
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            self._owner = outer
+
+    def hold(self, owner, t: torch.Tensor) -> None:
+        """Count ``t`` as ``owner``'s until the tensor object is freed."""
+        ptr, size = _storage(t)
+        if ptr in self._skip or size == 0:
+            return
+        self._acquire(ptr, size, owner)
+        weakref.finalize(t, self._release, ptr)
+
     # -- hooks ------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         ptr, size = _storage(t)
-        is_param = ptr in self._params
+        skipped = ptr in self._skip or size == 0
         backward = _in_backward()
-        new = not is_param and not backward and ptr not in self._seen_forward
+        new = not skipped and not backward and ptr not in self._seen_forward
         if new:
             self._seen_forward.add(ptr)
         self.records.append(SavedRecord(self._stack[-1], tuple(t.shape), t.dtype,
-                                        size if new else 0, size, is_param, backward))
-        if is_param:
+                                        size if new else 0, size, skipped, backward))
+        if skipped:
             return t
-        held = _Held(t)
-        entry = self._live.setdefault(ptr, [0, size])
-        if entry[0] == 0:
-            self.live_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        entry[0] += 1
+        # hold a detached alias (same memory): the tensor itself may be the output
+        # of the op that saves it, and holding it would tie our handle, the tensor
+        # and its graph into a cycle the collector cannot see through autograd
+        held = _Held(t.detach())
+        self._acquire(ptr, size, self._stack[-1] if self._owner is None else self._owner)
         weakref.finalize(held, self._release, ptr)
         return held
 
@@ -380,11 +409,20 @@ class SavedTensorCounter:
     def _unpack(held):
         return held.tensor if isinstance(held, _Held) else held
 
+    def _acquire(self, ptr: int, size: int, owner) -> None:
+        entry = self._live.setdefault(ptr, [0, size, owner])
+        if entry[0] == 0:
+            self.live_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.log.append((entry[2], size))
+        entry[0] += 1
+
     def _release(self, ptr: int) -> None:
         entry = self._live[ptr]
         entry[0] -= 1
         if entry[0] == 0:
             self.live_bytes -= entry[1]
+            self.log.append((entry[2], -entry[1]))
             del self._live[ptr]
 
     # -- results ----------------------------------------------------------
@@ -402,6 +440,32 @@ class SavedTensorCounter:
                 key = ".".join(r.module.split(".")[:depth]) if depth else r.module
                 out[key] = out.get(key, 0) + r.nbytes
         return out
+
+    def unit_bytes(self, group: Callable = lambda owner: owner[1]) -> dict:
+        """Bytes one owner's forward made alive, per group of owners (default:
+        per chunk, for owners (micro-batch, chunk)); the largest owner of each."""
+        full: dict = {}
+        for owner, delta in self.log:
+            if delta > 0:
+                full[owner] = full.get(owner, 0) + delta
+        units: dict = {}
+        for owner, b in full.items():
+            units[group(owner)] = max(units.get(group(owner), 0), b)
+        return units
+
+    def peaks(self, group: Callable = lambda owner: owner[1]) -> tuple[int, float]:
+        """(most bytes alive at once, most owners' worth alive at once), where an
+        owner counts by the share of its group's unit (``unit_bytes``) still alive."""
+        units = self.unit_bytes(group)
+        live = dict.fromkeys(units, 0)      # bytes alive per group
+        total = peak_bytes = 0
+        peak_units = 0.0
+        for owner, delta in self.log:
+            live[group(owner)] += delta
+            total += delta
+            peak_bytes = max(peak_bytes, total)
+            peak_units = max(peak_units, sum(live[g] / units[g] for g in units))
+        return peak_bytes, peak_units
 
 
 def count_saved_bytes(model: nn.Module, *args, **kwargs) -> SavedTensorCounter:

@@ -77,6 +77,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from helpers.recompute import forward_state
+
 __all__ = ["DynamicLossScaler", "E4M3", "E5M2", "FP8_MAX", "fp8_scale", "quantize",
            "dequantize", "fp8_round_trip", "update_delayed_scale", "DelayedScaling",
            "FP8Linear", "swap_to_fp8", "FP8SavedTensors", "scaled_mm_available", "fp8_gemm",
@@ -98,6 +100,10 @@ class DynamicLossScaler:
         loss_scaled = scaler.scale(loss); loss_scaled.backward()
         stepped = scaler.step(optimizer, params)   # unscale, skip on inf/nan
         scaler.update()                            # grow or back off the scale
+
+    With an fp16 model and fp32 master weights (the optimizer's), pass both:
+    ``scaler.step(optimizer, fp16_params, master_params)`` unscales each fp16
+    gradient in fp32 into its master's ``.grad``.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -120,21 +126,48 @@ class DynamicLossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_value
 
-    def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
-        """Divide every gradient by the scale (in its own dtype); True if any is inf/nan."""
-        inv = 1.0 / self.scale_value
+    def unscale_(self, params: Iterable[torch.Tensor],
+                 master_params: Iterable[torch.Tensor] | None = None) -> bool:
+        """Divide every gradient by the scale, in fp32; True if any is inf/nan.
+
+        fp32 gradients are unscaled in place. An fp16/bf16 gradient cannot
+        hold the unscaled value: the small gradients that scaling lifted into
+        fp16's range would fall out of it again (below 2^-24 they flush to
+        0). So it is unscaled in fp32 into the ``.grad`` of its fp32 master
+        parameter (``master_params``, same order), the mixed-precision recipe
+        (Micikevicius et al. 2018, sec. 3.1); without master parameters it is
+        refused, as ``torch.amp.GradScaler`` refuses to unscale fp16 gradients.
+        """
+        params = list(params)
+        masters = None if master_params is None else list(master_params)
+        if masters is not None and len(masters) != len(params):
+            raise ValueError(f"{len(params)} parameters but {len(masters)} master parameters")
+        inv = _f32(1.0 / self.scale_value)   # GradScaler: an fp32 reciprocal of the scale
         found = False
-        for p in params:
+        for i, p in enumerate(params):
             if p.grad is None:
                 continue
             found |= not bool(torch.isfinite(p.grad).all())
-            p.grad.mul_(inv)
+            if p.grad.dtype == torch.float32 and masters is None:
+                p.grad.mul_(inv)
+                continue
+            if masters is None:
+                raise ValueError(f"parameter {i} has a {p.grad.dtype} gradient: unscaled in "
+                                 f"its own dtype its small entries underflow again; pass fp32 "
+                                 f"master_params to receive the unscaled gradients")
+            m = masters[i]
+            if m.dtype != torch.float32 or m.shape != p.shape:
+                raise ValueError(f"master parameter {i} must be float32 of shape "
+                                 f"{tuple(p.shape)}, got {m.dtype} {tuple(m.shape)}")
+            m.grad = p.grad.float().mul_(inv)   # widen first, then divide: exact widening
         self.found_inf = found
         return found
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
-        """Unscale, then step unless a gradient overflowed. Returns whether it stepped."""
-        if self.unscale_(params):
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+             master_params: Iterable[torch.Tensor] | None = None) -> bool:
+        """Unscale (into ``master_params`` if given, see ``unscale_``), then step
+        unless a gradient overflowed. Returns whether it stepped."""
+        if self.unscale_(params, master_params):
             return False
         optimizer.step()
         return True
@@ -281,12 +314,18 @@ class DelayedScaling:
         self.scale = torch.tensor(1.0)
         self.steps = 0
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cast with the scale from earlier steps, then record this tensor's amax.
 
         First call: no history yet, so the tensor's own amax sets the scale
         (Transformer Engine instead starts at scale 1 and lets the first step
-        saturate). Returns (x8, the scale used)."""
+        saturate). With ``scale`` given, as when a recompute replays an
+        earlier forward, cast with it and record nothing: the history
+        advances once per pass, not once more per recompute.
+        Returns (x8, the scale used)."""
+        if scale is not None:
+            return quantize(x.detach(), self.dtype, scale.to(x.device)), scale
         amax = x.detach().abs().max().float().cpu()
         if self.steps == 0:
             self.scale = fp8_scale(amax, self.dtype, self.margin)
@@ -384,8 +423,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer: "FP8Linear"):
         out_dtype = x.dtype
         x2 = x.reshape(-1, x.size(-1))                                  # (M, K)
-        x8, sx = layer.input_scaling.quantize(x2)                        # E4M3
-        w8, sw = layer.weight_scaling.quantize(weight)                   # E4M3, (N, K)
+        x8, sx, w8, sw = layer.quantize_operands(x2, weight)             # E4M3, w8 (N, K)
         y = fp8_gemm(x8, w8.t(), sx, sw, out_dtype)                      # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -411,6 +449,12 @@ class FP8Linear(nn.Linear):
     The parameters stay in their dtype (the "master" copy); each step
     quantizes them. In eval mode or with grad disabled it runs the same FP8
     forward. ``history_len``, ``margin`` and ``algo`` go to every scaling.
+
+    Under activation recompute (``helpers.recompute``) the recomputed forward
+    reuses the scales of the forward it replays and records no amax, as
+    Transformer Engine's checkpoint does: the same FP8 operands, so the same
+    gradients as without recompute, and each scaling history advances once
+    per forward/backward pass.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -430,6 +474,21 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FP8LinearFunction.apply(x, self.weight, self.bias, self)
+
+    def quantize_operands(self, x2: torch.Tensor, weight: torch.Tensor):
+        """(x8, sx, w8, sw): input and weight in E4M3 with their scales.
+
+        In a checkpointed segment's first forward, remember the scales used
+        (one entry per call: a layer may run more than once in a segment); in
+        its recompute, take them back in the same order instead of the
+        current ones, and record nothing."""
+        state = forward_state()
+        replayed = state[1][id(self)].pop(0) if state and state[0] == "replay" else (None, None)
+        x8, sx = self.input_scaling.quantize(x2, replayed[0])
+        w8, sw = self.weight_scaling.quantize(weight, replayed[1])
+        if state and state[0] == "record":
+            state[1].setdefault(id(self), []).append((sx, sw))
+        return x8, sx, w8, sw
 
 
 def swap_to_fp8(model: nn.Module, skip: Iterable[str] = ("lm_head",), **kwargs) -> nn.Module:

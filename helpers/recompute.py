@@ -26,6 +26,18 @@ random mask as the first, or the gradient belongs to a different network.
 ``Checkpoint`` saves the RNG state before the forward and restores it (in a
 forked RNG, so the caller's stream is untouched) before recomputing.
 
+A layer whose forward has state breaks the "same computation twice" rule.
+FP8 delayed scaling (``helpers.precision.FP8Linear``) records each forward's
+amax and moves its scale: run twice, the recompute would quantize with a
+scale the original forward never used (other gradients) and advance the
+history a second time. So ``Checkpoint`` gives such layers a place to keep
+what they must replay: during the first forward ``forward_state()`` returns
+("record", memo), during the recompute ("replay", memo), with one ``memo``
+dict per checkpointed call; outside any checkpoint it returns None.
+Transformer Engine does the same: its checkpoint saves the FP8 scaling state
+of the first forward and swaps it in for the recompute, which records no
+amax.
+
 How production differs: ``torch.utils.checkpoint`` (non-reentrant mode, the
 default recommendation) does the same through saved-tensor hooks instead of a
 custom Function, so it works when no input requires grad and supports early
@@ -38,6 +50,7 @@ fused kernel never stores the s x s scores at all.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from typing import Callable, Sequence
@@ -48,9 +61,32 @@ import torch.nn as nn
 from helpers.model import GPT, lm_loss
 
 __all__ = ["Checkpoint", "checkpoint", "segment_bounds", "sqrt_segments", "apply_recompute",
-           "remove_recompute", "RECOMPUTE_CHOICES"]
+           "remove_recompute", "forward_state", "RECOMPUTE_CHOICES"]
 
 RECOMPUTE_CHOICES = ("none", "selective", "full", "segments")
+
+# ("record" | "replay", memo) while a checkpointed forward runs or is re-run;
+# None otherwise. A context variable, not a module attribute, so that two
+# threads (or a nested checkpoint) each see their own.
+_PHASE: contextvars.ContextVar = contextvars.ContextVar("recompute_phase", default=None)
+
+
+def forward_state() -> tuple[str, dict] | None:
+    """Where the current forward stands: None outside any checkpoint;
+    ("record", memo) in a checkpointed segment's first forward, ("replay",
+    memo) in its recompute. A stateful layer (FP8 scaling) stores under its own
+    key in ``memo`` what it used while recording, and reuses it, without
+    updating its state, while replaying."""
+    return _PHASE.get()
+
+
+@contextlib.contextmanager
+def _phase(kind: str, memo: dict):
+    token = _PHASE.set((kind, memo))
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
 
 
 class Checkpoint(torch.autograd.Function):
@@ -84,7 +120,10 @@ class Checkpoint(torch.autograd.Function):
         ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
-        with torch.no_grad():  # (autograd is already off in Function.forward; explicit)
+        # what stateful layers (FP8 scales) must replay in the recompute; each
+        # backward replays from a copy, so a retained graph can replay it again
+        ctx.memo = {}
+        with torch.no_grad(), _phase("record", ctx.memo):  # (autograd is off here anyway)
             return run_fn(*args)
 
     @staticmethod
@@ -104,7 +143,8 @@ class Checkpoint(torch.autograd.Function):
                              if torch.cuda.is_available() else contextlib.nullcontext())
             with torch.enable_grad(), cuda_autocast, \
                     torch.autocast("cpu", dtype=ctx.autocast["cpu"][1],
-                                   enabled=ctx.autocast["cpu"][0]):
+                                   enabled=ctx.autocast["cpu"][0]), \
+                    _phase("replay", {k: list(v) for k, v in ctx.memo.items()}):
                 outputs = ctx.run_fn(*inputs)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)

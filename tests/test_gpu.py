@@ -24,6 +24,7 @@ from helpers.model import build_model
 from helpers.pipeline import one_f_one_b
 from helpers.pipeline.executor import chunk_grads, pipeline_step, reference_grads, split_model
 from helpers.steptime import PARTS, dp_step_profile
+from helpers.tolerance import within_fp32_noise
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = min(GPUS, 2)
@@ -84,23 +85,26 @@ def _data_parallel_on_gpu():
     lo, hi = 4 * info.rank, 4 * (info.rank + 1)
     ref = build_model("toy", seed=0).to(dev)
     ref(idx, idx)[1].backward()
+    ref64 = build_model("toy", seed=0).to(dev, torch.float64)  # the exact answer
+    ref64(idx, idx)[1].backward()
     ddp = BucketedDDP(build_model("toy", seed=info.rank).to(dev), bucket_cap_mb=0.02,
                       first_bucket_mb=0.02)
     ddp(idx[lo:hi], idx[lo:hi])[1].backward()
-    ref_grads = dict(ref.named_parameters())
-    grad_diff = max((q.grad - ref_grads[n].grad).abs().max().item()
-                    for n, q in ddp.module.named_parameters())
+    ref_grads, ref64_grads = dict(ref.named_parameters()), dict(ref64.named_parameters())
+    grad_ok = all(within_fp32_noise(q.grad, ref_grads[n].grad, ref64_grads[n].grad)[0]
+                  for n, q in ddp.module.named_parameters())
     on_gpu = all(q.grad.is_cuda for q in ddp.module.parameters())
     rows = sweep([2**10, 2**20], iters=2)
-    return ring_diff, grad_diff, on_gpu, len(ddp.buckets), [r["impl"] for r in rows]
+    return ring_diff, grad_ok, on_gpu, len(ddp.buckets), [r["impl"] for r in rows]
 
 
 def test_ring_and_bucketed_ddp_on_nccl():
-    for ring_diff, grad_diff, on_gpu, n_buckets, impls in launch(_data_parallel_on_gpu, WORLD):
+    for ring_diff, grad_ok, on_gpu, n_buckets, impls in launch(_data_parallel_on_gpu, WORLD):
         assert ring_diff == 0  # integers in float32: exact in any summation order
         # the mean of per-rank gradients vs the gradient of the global batch:
-        # equal up to float32 summation order (GPU kernels may reorder too)
-        assert grad_diff < 1e-5 and on_gpu and n_buckets > 1
+        # equal up to float32 summation order (GPU kernels may reorder too), so
+        # as close to float64 as the float32 reference is (helpers.tolerance)
+        assert grad_ok and on_gpu and n_buckets > 1
         assert sorted(set(impls)) == ["ring", "torch"]
 
 
@@ -119,17 +123,22 @@ def _pipeline_on_gpu():
         info.rank]]
     res = pipeline_step(chunks, one_f_one_b(info.world_size, 4), x, y)
     ref_loss, ref = reference_grads(build_model("toy", n_layer=4).to(dev), x, y)
+    ref64_loss, ref64 = reference_grads(build_model("toy", n_layer=4).to(dev, torch.float64),
+                                        x, y)
     grads = chunk_grads(chunks)
-    diff = max((grads[n] - ref[n]).abs().max().item() for n in grads)
-    return res.loss, ref_loss, diff, res.peak_stash
+    grads_ok = all(within_fp32_noise(grads[n], ref[n], ref64[n])[0] for n in grads)
+    loss_ok = res.loss is None or within_fp32_noise(
+        torch.tensor(res.loss), torch.tensor(ref_loss), torch.tensor(ref64_loss))[0]
+    return loss_ok, grads_ok, res.peak_stash
 
 
 def test_pipeline_executor_on_nccl():
     results = launch(_pipeline_on_gpu, WORLD)
-    loss, ref_loss, _, _ = results[-1]  # the loss lives on the last stage
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    for _, _, diff, stash in results:
-        assert diff < 1e-5  # float32, same ops split across stages: rounding only
+    # float32, same ops split across stages and micro-batches: rounding only,
+    # so within the float32 reference's own noise against float64; the loss
+    # lives on the last stage
+    for loss_ok, grads_ok, stash in results:
+        assert loss_ok and grads_ok
         assert stash >= 1
 
 

@@ -7,6 +7,7 @@ import torch
 
 from helpers.data import MarkovSource, ShardedSampler, make_dataset
 from helpers.model import MODEL_SIZES, GPTConfig, build_model, count_parameters
+from helpers.tolerance import assert_within_fp32_noise
 
 
 @pytest.mark.parametrize("name", ["toy", "tiny", "small"])
@@ -39,7 +40,10 @@ def test_sdpa_and_manual_attention_agree():
     m = build_model("toy")
     f = build_model("toy", attention="sdpa")
     x = torch.randint(0, 64, (3, 16))
-    torch.testing.assert_close(m(x)[0], f(x)[0], rtol=1e-5, atol=1e-5)
+    # two float32 attention kernels (other blocking, other softmax): each as
+    # close to the float64 forward as float32 rounding allows
+    exact = build_model("toy").double()(x)[0]
+    assert_within_fp32_noise(f(x)[0], m(x)[0], exact, "sdpa logits")
 
 
 def test_stages_compose_to_the_whole_forward():

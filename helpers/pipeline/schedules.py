@@ -31,7 +31,21 @@ The three classic schedules
   is virtual stage ``c * p + r``. Each chunk is v times shorter, so the fill and
   drain shrink by v: bubble ``(p-1) / (v*m + p-1)`` instead of
   ``(p-1) / (m + p-1)``, paid for with v times more point-to-point messages.
-  This implementation (like Megatron's) needs ``m`` to be a multiple of ``p``.
+  Micro-batches go through the chunks in *rounds*: a round of micro-batches
+  runs on chunk 0, then the same round on chunk 1, and so on. The paper's
+  order (and early Megatron-LM) used rounds of exactly p and so required m
+  to be a multiple of p. Neither production version does any more:
+  Megatron-core takes rounds of ``microbatch_group_size_per_vp_stage``
+  (default p) with a shorter last one, and ``torch.distributed.pipelining``'s
+  ``ScheduleInterleaved1F1B`` takes ``max(1, m // p)`` equal rounds (so m
+  must split into them evenly: m = 6 or 10 on p = 4, not 9). We take
+  torch's rounds and let the first ``m % rounds`` of them hold one
+  micro-batch more, so every m works; every round holds at least min(p, m)
+  micro-batches, which keeps the order deadlock-free. Where torch accepts m
+  the order is torch's, and for m a multiple of p it is the paper's. The
+  simulated bubble is the closed form below for every m >= p, whether or not
+  p divides it; with m < p (one round, shorter than the pipeline) it is
+  larger. Both checked on a grid in tests/test_pipeline_schedules.py.
 
 Cost summary with t_b = 2 t_f (Narayanan et al. 2021, SC21, eq. 1 and sec. 2.2.2):
 bubble time ``(p-1)(t_f + t_b)`` for GPipe and 1F1B, ``(p-1)(t_f + t_b)/v``
@@ -50,7 +64,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-__all__ = ["Action", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b", "normalize", "schedule_shape", "format_schedule"]
+__all__ = ["Action", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b", "microbatch_rounds",
+           "normalize", "schedule_shape", "format_schedule"]
 
 
 class Action(NamedTuple):
@@ -112,12 +127,13 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int,
     """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, SC21, sec. 2.2.2).
 
     Work is counted in *virtual micro-batches*: every rank does ``v * m``
-    forwards, taken in groups of p micro-batches per chunk: micro-batches
-    0..p-1 on chunk 0, then the same p on chunk 1, ..., then micro-batches
-    p..2p-1 on chunk 0, and so on. Backwards go through the chunks in reverse.
-    Rank r warms up with ``(p - r - 1) * 2 + (v - 1) * p`` forwards (so the
-    last virtual stage can start backwards as early as possible), then
-    alternates, then drains.
+    forwards, taken in rounds per chunk (`microbatch_rounds`; p micro-batches
+    each when p divides m): micro-batches 0..p-1 on chunk 0, then the same p
+    on chunk 1, ..., then micro-batches p..2p-1 on chunk 0, and so on.
+    Backwards go through the chunks in reverse. Rank r warms up with
+    ``(p - r - 1) * 2 + (v - 1) * g`` forwards, g the first round's size (so
+    the last virtual stage can start backwards as early as possible), then
+    alternates, then drains. Any m >= 1 works (see the module docstring).
     """
     _check_counts(num_stages, num_microbatches)
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
@@ -125,29 +141,46 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int,
     p, m, v = num_stages, num_microbatches, num_chunks
     if v == 1:
         return one_f_one_b(p, m)
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of "
-                         f"num_stages: got m={m}, p={p}; use m={m + (-m) % p} (or a plain "
-                         f"1F1B schedule)")
+    rounds = microbatch_rounds(p, m)
+    # the forward order, shared by every rank: (micro-batch, chunk) per step
+    table = [(j, c) for rnd in rounds for c in range(v) for j in rnd]
     total = v * m  # virtual micro-batches per rank
 
     def forward_action(k: int) -> Action:
-        group, within = divmod(k, p * v)             # which block of p micro-batches
-        return F(group * p + within % p, chunk=within // p)
+        return F(table[k][0], chunk=table[k][1])
 
     def backward_action(k: int) -> Action:
-        a = forward_action(k)
-        return B(a.microbatch, chunk=v - 1 - a.chunk)
+        return B(table[k][0], chunk=v - 1 - table[k][1])  # chunks in reverse
 
     schedule = []
     for r in range(p):
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        warmup = min((p - r - 1) * 2 + (v - 1) * len(rounds[0]), total)
         actions = [forward_action(k) for k in range(warmup)]
         for k in range(total - warmup):
             actions += [forward_action(k + warmup), backward_action(k)]
         actions += [backward_action(k) for k in range(total - warmup, total)]
         schedule.append(actions)
     return schedule
+
+
+def microbatch_rounds(num_stages: int, num_microbatches: int) -> list[range]:
+    """How interleaved 1F1B groups micro-batches: ``max(1, m // p)`` rounds of
+    consecutive micro-batches, the first ``m % rounds`` one longer than the rest.
+
+    As torch.distributed.pipelining's ScheduleInterleaved1F1B (which requires
+    the rounds to be equal); p rounds of p when p divides m, as in the paper.
+    ``microbatch_rounds(4, 10) -> [range(0, 5), range(5, 10)]``;
+    ``microbatch_rounds(4, 9) -> [range(0, 5), range(5, 9)]``.
+    """
+    _check_counts(num_stages, num_microbatches)
+    n = max(1, num_microbatches // num_stages)
+    base, extra = divmod(num_microbatches, n)
+    out, lo = [], 0
+    for i in range(n):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
 
 
 def normalize(schedule: Sequence[Sequence]) -> list[list[Action]]:
