@@ -24,6 +24,9 @@ How it works
   torch already imported exists in a few milliseconds. Each rank runs ``fn``
   once, inside a new process group, and exits. This is what Python's
   ``forkserver`` start method does, and what Android's "zygote" does for apps.
+  To keep forking off a launch's path, the server forks the next launch's
+  ranks ahead of time ("spares", which run nothing until their launch).
+  ``ps`` shows them as course-server, course-spare and course-rank.
 * What a launch carries over from the caller (the notebook), read at the time
   of the call: the environment variables (``os.environ``; so
   ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` set in a cell takes effect at the next
@@ -40,10 +43,13 @@ How it works
   (``OMP_*``, ``MKL_*``, ``TORCH_LOGS``, ``PYTHON*``, ...) changes, the next
   launch restarts the server and says so.
 * Cost: the first launch pays the server's start (importing torch, once);
-  every later launch, of any world size, costs forking the ranks, one
-  rendezvous and one round trip: a few tens of milliseconds
-  (``benchmarks/bench_launch.py`` measures it against
-  ``torch.multiprocessing.spawn``).
+  every later launch, of any world size, costs forking the ranks (or taking
+  the spares), one rendezvous and one round trip, and a fresh process runs
+  its first collective slower than a warm one: about a tenth of a second
+  for 4 ranks on a quiet 2-core laptop, several times more on a busy one,
+  against tens of milliseconds when ranks were reused and seconds for
+  ``torch.multiprocessing.spawn`` (``benchmarks/bench_launch.py`` measures
+  all three).
 * Rendezvous: the caller owns a ``TCPStore`` listening on 127.0.0.1 on a port
   the operating system picks (port 0). Nothing is chosen then released, so two
   launches at once, or another program, cannot steal the port. Each launch
@@ -85,7 +91,8 @@ start fresh interpreters for every job (each imports torch) and rely on the
 job being a script; an elastic agent restarts failed workers. A notebook
 needs cheap repeated launches of small functions and a clean error instead of
 a restart. Forking needs a POSIX system (Linux, macOS) and a server that has
-not initialized CUDA or started threads: ours only imports.
+not initialized CUDA: ours only imports (as a DataLoader's forked workers,
+it relies on OpenBLAS, which numpy loads, being safe to fork).
 """
 
 from __future__ import annotations
@@ -447,6 +454,14 @@ def _die_with_server(server_pid: int) -> None:
         os._exit(1)
 
 
+def _set_process_name(name: str) -> None:
+    """What ``ps``/``pgrep`` show (Linux, 15 characters): course-server,
+    course-spare (forked ahead, never ran anything), course-rank."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def _become_fresh(spec: _LaunchSpec) -> None:
     """Take the caller's environment, directory and import path, as a rank
     started now by the caller would have them."""
@@ -475,9 +490,33 @@ def _user_frames(exc: BaseException) -> list[tuple[str, int, str, str]]:
             if os.path.realpath(f.filename) != here]
 
 
-def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, server_pid: int) -> None:
-    """One rank of one launch: join the group, run fn, report, exit. Never returns."""
+def _spare_main(link: socket.socket, server_pid: int, store_port: int) -> None:
+    """A rank forked ahead of time, before its launch: it sets up what does not
+    depend on the launch (death with the server, a connection to the store),
+    then waits for its orders: its rank, the launch, and the socket to the caller."""
+    _set_process_name("course-spare")
     _die_with_server(server_pid)
+    import torch.distributed as dist
+
+    store = None
+    with contextlib.suppress(Exception):  # if this fails, the rank retries and reports it
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+    orders = mpc.Connection(os.dup(link.fileno()))
+    try:
+        spec = cloudpickle.loads(orders.recv_bytes())
+        rank = int(orders.recv_bytes())
+        _, fds, _, _ = socket.recv_fds(link, 1, 1)
+    except Exception:  # the server went away before using us
+        os._exit(0)
+    orders.close()
+    link.close()
+    _set_process_name("course-rank")
+    _rank_main(mpc.Connection(fds[0]), rank, spec, store)
+
+
+def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, store: Any) -> None:
+    """One rank of one launch: join the group, run fn, report, exit. Never returns."""
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
@@ -498,8 +537,9 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, server_pid: i
         _RANK_INFO = RankInfo(rank, spec.world_size, rank, spec.backend, device)
         sys.stdout = _PipeWriter(send, rank, "stdout")
         sys.stderr = _PipeWriter(send, rank, "stderr")
-        store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=60))
         dist.init_process_group(
             _group_backend(spec.backend), store=dist.PrefixStore(f"launch{spec.generation}", store),
             rank=rank, world_size=spec.world_size,
@@ -552,24 +592,32 @@ def _module_stamps() -> dict[str, int]:
 def _server_entry() -> None:
     """``python -c`` entry of the rank server."""
     fd = int(os.environ.pop("_COURSE_POOL_FD"))
+    store_port = int(os.environ.pop("_COURSE_STORE_PORT"))
+    _set_process_name("course-server")
     # Own process group already (start_new_session); ignoring SIGINT as well
     # means even a signal to our group cannot kill an idle server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch  # noqa: F401 - the point of the server: every fork has torch imported
     import torch.distributed  # noqa: F401
     import ctypes  # noqa: F401 - each rank uses it (_die_with_server)
-    with contextlib.suppress(ImportError):
-        import numpy  # noqa: F401
-    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)))
+    # Work every rank would otherwise repeat: the first seeding imports
+    # numpy.random (tens of ms). Nothing here starts a thread or touches CUDA.
+    _seed_everything(0)
+    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)), store_port)
 
 
-def _serve(ctrl: mpc.Connection, sock: socket.socket) -> None:
+def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
     """The server's loop. Messages from the caller on ``ctrl``:
-    ("launch", spec) followed by world_size socket fds -> fork the ranks, reply
-    ("started", generation, pids); ("kill", generation) -> SIGKILL that
-    launch's ranks; ("stop",). To the caller, for every rank that ends:
-    ("exit", generation, rank, returncode), returncode < 0 for a signal."""
-    children: dict[int, tuple[int, int]] = {}  # pid -> (generation, rank)
+    ("launch", spec) followed by world_size socket fds -> hand each to a
+    spare rank, reply ("started", generation, pids); ("kill", generation) ->
+    SIGKILL that launch's ranks; ("stop",). To the caller, for every rank that
+    ends: ("exit", generation, rank, returncode), returncode < 0 for a signal.
+
+    Spares: after a launch the server forks as many ranks as it had, ahead of
+    the next launch, so that forking (and connecting to the store) is not on
+    that launch's path. They never run anything before their launch."""
+    children: dict[int, tuple[int, int]] = {}  # pid -> (generation, rank); 0, -1: a spare
+    spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
     # SIGCHLD wakes the loop through a pipe (Python's set_wakeup_fd), so the
     # server sleeps in one wait() on both the caller and its children.
     wake_r, wake_w = os.pipe()
@@ -581,46 +629,81 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket) -> None:
     def send(msg: tuple) -> None:
         ctrl.send_bytes(cloudpickle.dumps(msg))
 
-    def fork_rank(rank: int, spec: _LaunchSpec, fds: list[int]) -> int:
+    def fork_spare() -> None:
+        ours, theirs = socket.socketpair()
         pid = os.fork()
-        if pid == 0:  # the rank
+        if pid == 0:  # the spare
             try:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                for other in [wake_r, wake_w] + fds[:rank] + fds[rank + 1:]:
-                    os.close(other)
-                ctrl.close()
-                sock.close()
-                _rank_main(mpc.Connection(fds[rank]), rank, spec, os.getppid())
+                for closable in [ctrl, sock, ours] + [link for _, link in spares]:
+                    closable.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                _spare_main(theirs, os.getppid(), store_port)
             finally:
                 os._exit(1)
-        children[pid] = (spec.generation, rank)
-        return pid
+        theirs.close()
+        spares.append((pid, ours))
+        children[pid] = (0, -1)
 
+    def give_orders(rank: int, blob: bytes, fd: int) -> int:
+        """Hand the launch to a spare (forked now if none is left); its pid."""
+        while True:
+            if not spares:
+                fork_spare()
+            pid, link = spares.pop(0)
+            try:
+                orders = mpc.Connection(os.dup(link.fileno()))
+                try:
+                    orders.send_bytes(blob)
+                    orders.send_bytes(str(rank).encode())
+                finally:
+                    orders.close()
+                socket.send_fds(link, [b"F"], [fd])
+                return pid
+            except OSError:  # that spare died (killed by hand?): take the next
+                continue
+            finally:
+                link.close()
+
+    n_spares = 0  # as many as the last launch had ranks
     with contextlib.suppress(Exception):
         send(("ready", os.getpid(), _module_stamps()))
         while True:
-            ready = mpc.wait([ctrl, wake_r])
+            # Refill the spares one at a time, and only while nothing else
+            # waits: a launch that arrives meanwhile goes first.
+            ready = mpc.wait([ctrl, wake_r], timeout=0 if len(spares) < n_spares else None)
+            if not ready:
+                fork_spare()
+                continue
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 4096)
             while children:  # reap and report every rank that ended
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                if pid in children:
-                    generation, rank = children.pop(pid)
+                generation, rank = children.pop(pid, (0, -1))
+                if generation:
                     send(("exit", generation, rank, os.waitstatus_to_exitcode(status)))
+                for spare in [sp for sp in spares if sp[0] == pid]:
+                    spares.remove(spare)
+                    spare[1].close()
             if ctrl not in ready:
                 continue
             msg = cloudpickle.loads(ctrl.recv_bytes())  # EOFError: the caller is gone
             if msg[0] == "launch":
                 spec = msg[1]
                 _, fds, _, _ = socket.recv_fds(sock, 1, spec.world_size)
-                pids = [fork_rank(r, spec, fds) for r in range(spec.world_size)]
+                blob = cloudpickle.dumps(spec)
+                pids = [give_orders(r, blob, fd) for r, fd in enumerate(fds)]
+                for pid, rank in zip(pids, range(spec.world_size)):
+                    children[pid] = (spec.generation, rank)
                 for fd in fds:
                     os.close(fd)
                 send(("started", spec.generation, pids))
+                n_spares = spec.world_size
             elif msg[0] == "kill":
                 for pid, (generation, _) in children.items():
                     if generation == msg[1]:
@@ -628,7 +711,8 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket) -> None:
             elif msg[0] == "stop":
                 break
     # The caller stopped us or went away: nothing of ours may outlive it. The
-    # group is ours alone (start_new_session): ranks, anything they started, us.
+    # group is ours alone (start_new_session): ranks, spares, anything they
+    # started, us.
     os.killpg(0, signal.SIGKILL)
 
 
@@ -680,6 +764,7 @@ class _Pool:
         self.sock, theirs = socket.socketpair()
         path = os.environ.get("PYTHONPATH")
         env = dict(os.environ, _COURSE_POOL_WORKER="1", _COURSE_POOL_FD=str(theirs.fileno()),
+                   _COURSE_STORE_PORT=str(self.store.port),
                    PYTHONPATH=_ROOT + (os.pathsep + path if path else ""))
         try:
             self.proc = subprocess.Popen(
@@ -760,7 +845,6 @@ class _Pool:
                 self._recv(deadline - time.monotonic())
         except (_ServerGone, OSError):
             return False
-        self.exits = {}  # nothing older is asked for again
         return True
 
     # -- the server's life ------------------------------------------------------
@@ -880,10 +964,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                                                seed_per_rank, payload)
         try:
             results = _collect(pool, conns, generation, time.monotonic() + timeout)
-            for c in conns:  # every rank answered: let them exit
-                with contextlib.suppress(OSError):
+            for c in conns:  # every rank answered: let them exit (in a few ms;
+                with contextlib.suppress(OSError):  # no need to wait for it)
                     c.send_bytes(b"bye")
-            ended = pool.end_ranks(generation, world_size, kill=False)
+            ended = True
         except RankError:  # a rank raised, died or hung: kill the others
             ended = pool.end_ranks(generation, world_size, kill=True)
             raise
@@ -905,6 +989,7 @@ def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload):
     for attempt in range(2):
         try:
             pool = _get_pool(world_size)
+            pool.exits.clear()  # reports of earlier launches: nobody asks for them
             generation = next(_GENERATIONS)
             spec = _LaunchSpec(generation, world_size, backend, pool.store.port,
                                float(timeout) + _PG_TIMEOUT_MARGIN, seed, seed_per_rank,
