@@ -832,12 +832,11 @@ class _Pool:
                 self._recv(deadline - time.monotonic())
         return self.exits.get((generation, rank))
 
-    def end_ranks(self, generation: int, world_size: int, kill: bool) -> bool:
-        """Wait until every rank of the launch has exited (SIGKILL them first
-        if ``kill``); False if the server did not answer."""
+    def kill_ranks(self, generation: int, world_size: int) -> bool:
+        """SIGKILL every rank of the launch and wait until the server saw them
+        exit; False if it did not answer."""
         try:
-            if kill:
-                self.conn.send_bytes(cloudpickle.dumps(("kill", generation)))
+            self.conn.send_bytes(cloudpickle.dumps(("kill", generation)))
             deadline = time.monotonic() + _SERVER_REPLY_TIMEOUT
             while any((generation, r) not in self.exits for r in range(world_size)):
                 if time.monotonic() >= deadline:
@@ -922,8 +921,8 @@ def _get_pool(world_size: int) -> _Pool:
         sys.stderr.write(f"[launch] {why}: restarting the rank server ... ")
     else:
         sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
-                         f"server imports torch once (a few seconds), later launches fork "
-                         f"fresh ranks from it in milliseconds ... ")
+                         f"server imports torch once (a few seconds); later launches fork "
+                         f"fresh ranks from it ... ")
     sys.stderr.flush()
     start = time.monotonic()
     _POOL = _Pool()  # set first, so that an interrupt from here on kills it
@@ -962,6 +961,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     with _POOL_LOCK:
         pool, conns, generation = _start_ranks(world_size, backend, timeout, seed,
                                                seed_per_rank, payload)
+        ended = False  # are all of this launch's ranks gone or going?
         try:
             results = _collect(pool, conns, generation, time.monotonic() + timeout)
             for c in conns:  # every rank answered: let them exit (in a few ms;
@@ -969,12 +969,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                     c.send_bytes(b"bye")
             ended = True
         except RankError:  # a rank raised, died or hung: kill the others
-            ended = pool.end_ranks(generation, world_size, kill=True)
+            ended = pool.kill_ranks(generation, world_size)
             raise
         except BaseException:  # Ctrl-C while the ranks run: same, if we can
-            ended = False
             with contextlib.suppress(BaseException):
-                ended = pool.end_ranks(generation, world_size, kill=True)
+                ended = pool.kill_ranks(generation, world_size)
             raise
         finally:
             for c in conns:

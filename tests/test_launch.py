@@ -568,7 +568,7 @@ def test_first_launch_says_what_it_is_doing_once_and_outlives_its_thread(capsys)
     worker.start()
     worker.join()
     err = capsys.readouterr().err
-    assert err.count("[launch] starting 3 ranks. First launch only") == 1
+    assert err.count("[launch] starting 3 ranks. First launch only: a rank server imports torch once") == 1
     assert "ready in" in err
     server = LAUNCH._POOL
     time.sleep(1.0)  # a death signal, if any, has arrived
