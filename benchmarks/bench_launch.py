@@ -4,9 +4,12 @@
 
 The rank function is trivial (one all_reduce of one float), so the numbers are
 pure overhead: starting interpreters, importing torch, rendezvous, shipping the
-function, returning results. "first" starts a new pool (what a notebook pays
-once); "later" reuses it (median of 10). torch.multiprocessing.spawn starts
-fresh processes and a process group every time, as a script would.
+function, returning results. "first" starts the rank server (what a notebook
+pays once: it imports torch); "later" forks fresh ranks from it (median of 10,
+back to back, so the server's spares are often not ready: the worst case).
+torch.multiprocessing.spawn starts fresh interpreters and a process group every
+time, as a script would. The load average is printed: on a shared machine the
+numbers scale with it.
 """
 
 import datetime
@@ -66,7 +69,8 @@ def main():
     print("-" * 68)
     for world, first, later, spawn in rows:
         print(f"{world:>5} | {first:14.3f} | {later:14.4f} | {spawn:10.3f} | {later / spawn:11.3f}")
-    print(f"\n(on {os.cpu_count()} cores; target: later launch <= 0.3 s for 4 ranks)")
+    print(f"\n(on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+          f"target: later launch <= 0.3 s for 4 ranks)")
 
 
 if __name__ == "__main__":

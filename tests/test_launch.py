@@ -1,13 +1,19 @@
-"""helpers.launch: results, seeding, output, and every way a launch can fail.
+"""helpers.launch: results, seeding, output, every way a launch can fail,
+and fresh ranks for every launch.
 
-Each failure test asserts the rank named in the message and that no child
-process is left behind.
+Each failure test asserts the rank named in the message and that no rank
+process is left behind (the rank server, which never runs user code, stays).
 """
 
+import contextlib
+import gc
+import importlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -40,6 +46,50 @@ def assert_no_children():
     assert child_pids() == set(), "ranks left behind"
 
 
+LAUNCH = sys.modules["helpers.launch"]  # (helpers.launch the attribute is the function)
+
+
+def rank_pids() -> set[int]:
+    """Our processes other than the rank server and its spares (forked ahead,
+    they never ran anything): the server's children named course-rank, or (a
+    pool of ranks started directly) our children. Empty when no rank is alive."""
+    server = LAUNCH._POOL.proc.pid if getattr(LAUNCH._POOL, "proc", None) else None
+    found = child_pids() - {server}
+    if server is not None:
+        # (a just-forked spare shows the server's name until it renames itself)
+        found |= {p for p in all_pids() if parent_of(p) == server and name_of(p) == "course-rank"}
+    return found
+
+
+def name_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def all_pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+def assert_no_ranks():
+    deadline = time.monotonic() + 5
+    while rank_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = rank_pids()
+    assert left == set(), f"ranks left behind: {[(p, name_of(p)) for p in left]}"
+
+
 def test_results_in_rank_order_with_closure_args_and_kwargs():
     offset = 10.0  # closed over: the function travels by value
 
@@ -56,15 +106,15 @@ def test_results_in_rank_order_with_closure_args_and_kwargs():
     assert all(o["backend"] == "gloo" and o["device"] == "cpu" for o in out)
 
 
-def test_pool_is_reused_and_later_launches_are_cheap():
+def test_server_is_reused_and_every_launch_gets_fresh_ranks():
     launch(os.getpid, 2)
+    server = LAUNCH._POOL
     start = time.perf_counter()
     pids = launch(os.getpid, 2)
     assert time.perf_counter() - start < 1.0  # target is 0.3 s; generous for a loaded CI box
-    assert launch(os.getpid, 2) == pids
-    assert set(pids) <= child_pids()
-    shutdown()
-    assert_no_children()
+    assert_no_ranks()                          # a launch's ranks exit when it returns
+    assert set(launch(os.getpid, 4)).isdisjoint(pids)  # new processes, any world size
+    assert LAUNCH._POOL is server and server.alive()
 
 
 def test_rank_output_reaches_caller_prefixed(capsys):
@@ -104,7 +154,7 @@ def test_rank_that_raises_is_named_with_type_message_and_traceback():
     assert "rank 1 raised ValueError: shape mismatch on purpose" in str(e)
     assert "traceback of rank 1" in str(e) and "in fn" in e.rank_traceback
     assert isinstance(e.__cause__, ValueError)
-    assert_no_children()
+    assert_no_ranks()
 
 
 @pytest.mark.parametrize("how, words", [
@@ -124,7 +174,7 @@ def test_rank_that_dies_is_named_with_how(how, words):
         launch(fn, 2, timeout=30)
     assert err.value.rank == 1
     assert str(err.value).startswith("rank 1 ") and words in str(err.value)
-    assert_no_children()
+    assert_no_ranks()
 
 
 def test_deadlock_missing_collective_names_the_stuck_rank():
@@ -137,8 +187,8 @@ def test_deadlock_missing_collective_names_the_stuck_rank():
         launch(fn, 2, timeout=2)
     elapsed = time.monotonic() - start
     assert err.value.ranks == [0] and "rank(s) [0] did not finish" in str(err.value)
-    assert elapsed < 2 + 10  # timeout plus pool start-up and a few seconds
-    assert_no_children()
+    assert elapsed < 2 + 10  # timeout plus server start-up and a few seconds
+    assert_no_ranks()
 
 
 def test_deadlock_mismatched_send_recv_names_both_ranks():
@@ -149,7 +199,7 @@ def test_deadlock_mismatched_send_recv_names_both_ranks():
     with pytest.raises(RankTimeout) as err:
         launch(fn, 2, timeout=2)
     assert err.value.ranks == [0, 1]
-    assert_no_children()
+    assert_no_ranks()
 
 
 def test_pool_recovers_after_failure():
@@ -159,10 +209,11 @@ def test_pool_recovers_after_failure():
 
 
 def test_no_rank_outlives_a_failed_launch_even_when_every_rank_raised():
-    """A failed check on every rank still discards the pool: a rank that raised
-    may leave a pending send or half-built state behind, so the next launch
-    starts clean (the syllabus: after a failure no process remains)."""
-    pids = launch(os.getpid, 2)
+    """A failed check on every rank still kills every rank (the syllabus:
+    after a failure no rank remains); a rank that raised may leave a pending
+    send or half-built state behind, and the next launch must not see it."""
+    launch(os.getpid, 2)
+    server = LAUNCH._POOL
 
     def all_raise():
         if rank_info().rank == 0:
@@ -171,13 +222,13 @@ def test_no_rank_outlives_a_failed_launch_even_when_every_rank_raised():
 
     with pytest.raises(RankError, match="wrong answer"):
         launch(all_raise, 2, timeout=10)
-    assert_no_children()
-    assert not set(pids) & set(launch(os.getpid, 2))  # a fresh pool
+    assert_no_ranks()
+    assert LAUNCH._POOL is server  # the server never ran that code: it stays
     assert launch(lambda: dist.all_reduce(torch.ones(2)) or 1, 2) == [1, 1]
 
 
 def test_bad_arguments_fail_before_any_rank_starts():
-    shutdown()
+    before = child_pids()
     with pytest.raises(ValueError, match="world_size"):
         launch(print, 0)
     with pytest.raises(ValueError, match="world_size"):
@@ -194,7 +245,8 @@ def test_bad_arguments_fail_before_any_rank_starts():
     lock = __import__("threading").Lock()
     with pytest.raises(TypeError, match="picklable"):
         launch(print, 2, lock)
-    assert child_pids() == set()
+    assert child_pids() == before
+    assert_no_ranks()  # (the last test's ranks may take a moment to exit)
 
 
 SCRIPT = textwrap.dedent("""
@@ -292,3 +344,279 @@ def test_every_launch_gets_a_fresh_group():
         return t.item()
 
     assert launch(total, 2) == [2.0, 2.0]
+
+
+# --------------------------------------------------------------------------
+# Every launch behaves as if its ranks were fresh (issue 12, item 3). Each of
+# these failed with the pooled ranks that ran launch after launch.
+# --------------------------------------------------------------------------
+
+def test_environment_set_after_the_server_started_reaches_the_ranks(monkeypatch):
+    launch(os.getpid, 2)  # the server is up before the variables are set
+    monkeypatch.setenv("COURSE_TEST_SETTING", "set in a later cell")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+
+    def look():
+        from torch.distributed.distributed_c10d import _get_default_group
+        # DETAIL is read when the group is made: it wraps the backend in a
+        # checker of collective shapes and order (_ProcessGroupWrapper).
+        wrapped = type(_get_default_group()._get_backend(torch.device("cpu"))).__name__
+        return os.environ.get("COURSE_TEST_SETTING"), dist.get_debug_level().name, wrapped
+
+    assert launch(look, 2) == [("set in a later cell", "DETAIL", "_ProcessGroupWrapper")] * 2
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    monkeypatch.delenv("COURSE_TEST_SETTING")
+    assert launch(look, 2)[0] == (None, "OFF", "ProcessGroupGloo")
+
+
+def test_nothing_a_launch_does_in_its_ranks_reaches_the_next(tmp_path, monkeypatch):
+    def change_everything():
+        torch.set_default_dtype(torch.float64)
+        torch.set_grad_enabled(False)
+        os.chdir("/")
+        sys.path.append("/added/by/a/launch")
+        torch.nn.Linear.__call__ = None  # a monkeypatch of torch itself
+
+    def look():
+        return (torch.ones(1).dtype, torch.is_grad_enabled(), os.getcwd(),
+                "/added/by/a/launch" in sys.path, torch.nn.Linear.__call__ is not None)
+
+    monkeypatch.chdir(tmp_path)  # the caller's directory, at the time of the call
+    launch(change_everything, 2)
+    assert launch(look, 2) == [(torch.float32, True, str(tmp_path), False, True)] * 2
+
+
+def test_an_edited_and_reloaded_module_runs_its_new_code(tmp_path, monkeypatch):
+    module = tmp_path / "course_edited_module.py"
+    module.write_text("def answer():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import course_edited_module as mod  # pickled by reference: the ranks import it
+    assert launch(mod.answer, 2) == [1, 1]
+    # Another size, so the (mtime, size) check of cached bytecode sees the edit.
+    module.write_text("def answer():\n    return 22\n")
+    importlib.reload(mod)
+    assert launch(mod.answer, 2) == [22, 22]
+
+
+def test_server_restarts_when_what_it_imported_changes(tmp_path, monkeypatch, capsys):
+    launch(os.getpid, 2)
+    server = LAUNCH._POOL
+    assert server.stale() is None
+    # A variable read only when torch is imported: a fork would keep the old value.
+    monkeypatch.setenv("OMP_SCHEDULE", "static")
+    assert server.stale() == "$OMP_SCHEDULE changed (it is read when torch is imported)"
+    monkeypatch.delenv("OMP_SCHEDULE")
+    assert server.stale() is None
+    # A file the server had imported changes on disk: its forks would run the old code.
+    source = tmp_path / "imported_by_server.py"
+    source.write_text("x = 1\n")
+    server.stamps[str(source)] = os.stat(source).st_mtime_ns
+    os.utime(source, ns=(0, 0))
+    capsys.readouterr()
+    launch(os.getpid, 2)
+    assert LAUNCH._POOL is not server
+    assert "imported_by_server.py changed: restarting the rank server" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Descriptors and lifetime (issue 12, item 4).
+# --------------------------------------------------------------------------
+
+def store_sockets(port: int) -> set[str]:
+    """Inodes of TCP sockets on the store's port: its listening socket and
+    one accepted connection per rank or spare that is connected to it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    return inodes
+
+
+def open_fds(port: int) -> tuple[int, int]:
+    """(our descriptors not on the store's port, those on it). Spares connect
+    to the store as they are forked, so the second number moves on its own."""
+    store = store_sockets(port)
+    links = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+             if os.path.exists(f"/proc/self/fd/{fd}")]
+    on_store = sum(link.startswith("socket:[") and link[8:-1] in store for link in links)
+    return len(links) - on_store, on_store
+
+
+def test_failed_launches_leak_no_file_descriptors():
+    launch(os.getpid, 2)
+    gc.collect()
+    gc.disable()  # what a learner's kernel does between collections: only refcounts free
+    port = LAUNCH._POOL.store.port
+    try:
+        before, _ = open_fds(port)
+        errors = []
+        for _ in range(4):  # each kept, with its traceback, as sys.last_value would be
+            with pytest.raises(RankError) as err:
+                launch(lambda: 1 / 0 if rank_info().rank == 1 else 0, 2)
+            errors.append(err.value)
+        with pytest.raises(RankTimeout) as err:
+            launch(lambda: dist.recv(torch.zeros(1), src=1 - rank_info().rank), 2, timeout=1)
+        errors.append(err.value)
+        assert open_fds(port)[0] == before
+        shutdown()  # the server's socket and the store's listening socket close now
+        after, on_store = open_fds(port)
+        assert on_store == 0 and after < before - 2  # the server's socket (2) and the store's loop
+        assert_no_children()
+    finally:
+        gc.enable()
+
+
+# --------------------------------------------------------------------------
+# Interrupts (issue 21, item 4).
+# --------------------------------------------------------------------------
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    """Ctrl-C / Jupyter's interrupt: SIGINT to this process, in `seconds`."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_interrupting_the_first_launch_while_it_starts_leaves_nothing():
+    shutdown()
+    interrupt_after(0.5)  # importing torch in the server takes seconds
+    with pytest.raises(KeyboardInterrupt):
+        launch(os.getpid, 2)
+    assert_no_children()
+    assert LAUNCH._POOL is None
+    assert len(launch(os.getpid, 2)) == 2
+
+
+def test_interrupting_a_running_launch_kills_its_ranks_only():
+    launch(os.getpid, 2)
+    server = LAUNCH._POOL
+    interrupt_after(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        launch(time.sleep, 2, 60)
+    assert_no_ranks()
+    assert LAUNCH._POOL is server and server.alive()
+
+
+def test_a_server_that_died_is_replaced_not_reported(monkeypatch):
+    launch(os.getpid, 2)
+    server = LAUNCH._POOL
+    os.kill(server.proc.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    # Pretend its death went unseen (it happens between the check and the send).
+    monkeypatch.setattr(type(server), "alive", lambda self: True)
+    assert launch(lambda: rank_info().rank, 2) == [0, 1]
+    assert LAUNCH._POOL is not server
+
+
+KERNEL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from helpers import launch
+    L = sys.modules["helpers.launch"]
+    launch(os.getpid, 2)
+    server = L._POOL
+    try:
+        os.killpg(0, signal.SIGINT)  # Jupyter interrupts the kernel's whole group
+        time.sleep(2)
+    except KeyboardInterrupt:
+        pass
+    time.sleep(1)  # a rank or server that took that SIGINT would be dead by now
+    print("IDLE SERVER KEPT", L._POOL is server and server.alive(), flush=True)
+    print("RESULT", launch(lambda: 7, 2), L._POOL is server, flush=True)
+    print("SERVER", server.proc.pid, flush=True)
+    launch(lambda: print("RANK", os.getpid(), flush=True) or time.sleep(60), 2)
+""")
+
+
+def test_idle_server_ignores_the_kernels_sigint_and_dies_with_the_kernel(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(KERNEL_SCRIPT)
+    # A process group of its own, as a Jupyter kernel has.
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                              start_new_session=True)
+    lines = []
+    try:
+        while sum(line.startswith("[rank") for line in lines) < 2:
+            line = kernel.stdout.readline()
+            assert line, f"the script ended early: {lines}"
+            lines.append(line)
+    finally:
+        kernel.kill()  # the kernel dies (SIGKILL: no atexit, no cleanup)
+        kernel.wait()
+    assert "IDLE SERVER KEPT True\n" in lines
+    assert "RESULT [7, 7] True\n" in lines
+    pids = [int(line.split()[1]) for line in lines if line.startswith("SERVER")]
+    pids += [int(line.split()[-1]) for line in lines if line.startswith("[rank")]
+    deadline = time.monotonic() + 10
+    while any(parent_of(p) is not None for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(parent_of(p) is None for p in pids), "server or ranks outlived the kernel"
+
+
+# --------------------------------------------------------------------------
+# What the learner sees (issue 21, items 6 and 7).
+# --------------------------------------------------------------------------
+
+def test_first_launch_says_what_it_is_doing_once_and_outlives_its_thread(capsys):
+    shutdown()
+    # Started from a worker thread: PR_SET_PDEATHSIG is tied to the thread that
+    # spawned a process, so ranks spawned from it used to die with the thread.
+    worker = threading.Thread(target=launch, args=(os.getpid, 3))
+    worker.start()
+    worker.join()
+    err = capsys.readouterr().err
+    assert err.count("[launch] starting 3 ranks. First launch only: a rank server imports torch once") == 1
+    assert "ready in" in err
+    server = LAUNCH._POOL
+    time.sleep(1.0)  # a death signal, if any, has arrived
+    assert server.alive()
+    launch(os.getpid, 2)
+    assert LAUNCH._POOL is server
+    assert "[launch]" not in capsys.readouterr().err
+
+
+def test_rank_error_in_a_notebook_leads_with_rank_exception_and_the_learners_line():
+    # A notebook cell's source is known to the kernel only (IPython caches it
+    # in linecache under a made-up file name); the rank cannot read it.
+    cell = "<ipython-input-7-course>"
+    source = ("def train_step():\n"
+              "    x = torch.ones(2)\n"
+              "    if rank_info().rank == 1:\n"
+              "        x = x @ torch.ones(3)  # the learner's bug\n"
+              "    return x\n")
+    import linecache
+    linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)
+    namespace = {"torch": torch, "rank_info": rank_info}
+    exec(compile(source, cell, "exec"), namespace)
+    try:
+        with pytest.raises(RankError) as err:
+            launch(namespace["train_step"], 2)
+        lines = err.value._render_traceback_()
+    finally:
+        del linecache.cache[cell]
+    assert lines[0].startswith("RankError: rank 1 raised RuntimeError:")
+    assert "inconsistent tensor size" in lines[0]
+    text = "\n".join(lines)
+    assert f'File "{cell}", line 4, in train_step' in text
+    assert "x = x @ torch.ones(3)  # the learner's bug" in text
+    assert "launch.py" not in text and "_rank_main" not in text  # no launcher internals
+    assert "rank_traceback" in lines[-1]
+    # a rank that died has no frames: the message alone
+    with pytest.raises(RankError) as err:
+        launch(lambda: os._exit(3) if rank_info().rank == 1 else None, 2)
+    assert err.value._render_traceback_() == [f"RankError: {err.value}"]
+
+
+def test_library_frames_are_folded_in_the_rendered_traceback():
+    def fn():
+        dist.all_reduce(torch.ones(2) if rank_info().rank == 0 else "not a tensor")
+
+    with pytest.raises(RankError) as err:
+        launch(fn, 2, timeout=10)
+    text = "\n".join(err.value._render_traceback_())
+    assert "in fn" in text and "dist.all_reduce(" in text
+    assert "frame(s) inside torch" in text          # torch's own frames, folded
+    assert "distributed_c10d.py" not in text
