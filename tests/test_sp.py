@@ -1,0 +1,172 @@
+"""helpers.sp: sequence layouts and context-parallel attention against full causal attention.
+
+Tolerances.
+* float64 on both sides (every function, forward and q/k/v gradients): the
+  distributed versions only reorder sums and rescale by exp of log-sum-exp
+  differences, each step erring by a few 2^-53 relative to the terms'
+  magnitude; sums have <= 64 terms here, so errors stay below ~1e-13 of
+  max|reference|. We allow 1e-9 of it, 4 orders above, while a wrong mask,
+  a merge that averages, or a lost gradient block errs by O(1) of it.
+* fp32 ring forward against a float64 reference computed from the same fp32
+  inputs: a score s = q.k / sqrt(d) errs by at most E = gamma_d sum|q_i k_i| / sqrt(d)
+  (Higham 2002, eq. 3.5); a softmax weight exp(s - lse) then errs relatively by
+  at most 2E (its score and the log-sum-exp, which is a convex mix of scores)
+  plus the rounding of exp, log and each merge (a few u per step, cp steps);
+  the weighted sum of S values by gamma_S. So
+  |o - o64| <= (2E + gamma(S + 8 cp + 8)) * sum_j p_j |v_j|, on any CPU / BLAS.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import launch, rank_info
+from helpers.sp import (allgather_attention, block_attention, check_layout, check_ulysses,
+                        gather_sequence, merge_partials, positions, ring_attention,
+                        shard_sequence, ulysses_attention, unmasked_scores)
+
+U32 = 2.0 ** -24
+REL64 = 1e-9  # float64 comparisons, see the module docstring
+B, H, D = 1, 4, 8
+FUNCS = {"allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def gamma(n, u=U32):
+    return n * u / (1 - n * u)
+
+
+def assert_close64(got, want, what):
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= REL64 * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def inputs(seq, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seq)
+    return [torch.randn(B, H, seq, D, generator=g, dtype=dtype) for _ in range(4)]  # q k v dO
+
+
+def reference(q, k, v, d_out, causal=True):
+    q, k, v = (x.double().clone().requires_grad_() for x in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(d_out.double())
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+# --------------------------------------------------------------------------
+# Pure functions: no ranks.
+# --------------------------------------------------------------------------
+
+def test_layouts_and_their_errors():
+    assert positions(8, 2, 0, "contiguous").tolist() == [0, 1, 2, 3]
+    assert positions(8, 2, 0, "zigzag").tolist() == [0, 1, 6, 7]   # one early, one late chunk
+    assert positions(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
+    every = torch.cat([positions(24, 3, r, "zigzag") for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))               # a partition
+    with pytest.raises(ValueError, match="sequence length 12 does not divide into 8 chunks"):
+        check_layout(12, 4, "zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        check_layout(8, 2, "striped")
+    with pytest.raises(ValueError, match="6 heads do not divide over context-parallel size 4"):
+        check_ulysses(6, 4)
+    x = torch.arange(8.0).view(1, 1, 8, 1)
+    assert shard_sequence(x).tolist() == x.tolist()  # one rank: the whole sequence
+
+
+def test_zigzag_balances_the_causal_work():
+    # Contiguous: rank r computes c(c+1)/2 + r c^2 entries (c = S / cp), growing with r.
+    S, cp = 64, 4
+    c = S // cp
+    assert unmasked_scores(S, cp, "contiguous") == [c * (c + 1) // 2 + r * c * c for r in range(cp)]
+    zz = unmasked_scores(S, cp, "zigzag")
+    assert len(set(zz)) == 1 and sum(zz) == S * (S + 1) // 2      # equal, and all of them
+
+
+def test_online_softmax_merge_is_exact_and_averaging_is_not():
+    q, k, v, _ = inputs(12)
+    full, _, _, _ = reference(q, k, v, torch.zeros_like(q), causal=False)
+    o1, l1 = block_attention(q, k[..., :5, :], v[..., :5, :])
+    o2, l2 = block_attention(q, k[..., 5:, :], v[..., 5:, :])
+    merged, lse = merge_partials(o1, l1, o2, l2)
+    assert_close64(merged, full, "merged output")
+    assert_close64(lse, torch.logsumexp(q @ k.transpose(-2, -1) / D ** 0.5, -1), "merged lse")
+    assert (((o1 + o2) / 2 - full).abs().max() > 1e3 * REL64 * full.abs().max())
+    # An empty block (all masked: lse = -inf) contributes nothing.
+    none = torch.zeros(12, 5, dtype=torch.bool)
+    oe, le = block_attention(q, k[..., :5, :], v[..., :5, :], none)
+    assert torch.isinf(le).all() and not oe.any()
+    assert torch.equal(merge_partials(oe, le, o2, l2)[0], o2)
+
+
+# --------------------------------------------------------------------------
+# On ranks: every function, both layouts (t = 2, 4; one launch each).
+# --------------------------------------------------------------------------
+
+def _run(fn, q, k, v, d_out, layout, causal=True):
+    local = [shard_sequence(x, None, layout).requires_grad_() for x in (q, k, v)]
+    o = fn(*local, causal=causal, layout=layout)
+    o.backward(shard_sequence(d_out, None, layout))
+    return [gather_sequence(x, None, layout) for x in (o.detach(), *(t.grad for t in local))]
+
+
+def _everything():
+    t = rank_info().world_size
+    out = {}
+    q, k, v, d_out = inputs(4 * t)  # zigzag needs 2t chunks: 2 positions each
+    for layout in ("contiguous", "zigzag"):
+        for name, fn in FUNCS.items():
+            out[(name, layout)] = _run(fn, q, k, v, d_out, layout)
+    out["ring_no_mask"] = _run(ring_attention, q, k, v, d_out, "zigzag", causal=False)[0]
+    q32, k32, v32, d32 = (x.float() for x in (q, k, v, d_out))
+    out["ring_fp32"] = _run(ring_attention, q32, k32, v32, d32, "zigzag")[0]
+    errors = []
+    for fn, args in ((ring_attention, (q[..., :3, :],) * 3),         # local 3: 3t not into 2t
+                     (ulysses_attention, (q[:, :3, :4, :],) * 3)):  # 3 heads over t
+        try:
+            fn(*args, layout="zigzag")
+        except ValueError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    t = request.param
+    res = launch(_everything, t, timeout=120)
+    return t, res
+
+
+@pytest.mark.parametrize("name", list(FUNCS))
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_equals_full_causal_attention_forward_and_gradients(ranks, name, layout):
+    t, res = ranks
+    want = reference(*inputs(4 * t))
+    for rank, out in enumerate(res):
+        for what, got, ref in zip(("output", "dq", "dk", "dv"), out[(name, layout)], want):
+            assert_close64(got, ref, f"{name} {layout} t={t} rank {rank} {what}")
+
+
+def test_ring_fp32_within_bound_and_the_mask_matters(ranks):
+    t, res = ranks
+    q, k, v, d_out = (x.float() for x in inputs(4 * t))  # the ranks' fp32 inputs
+    S = q.size(-2)
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    ref = reference(q, k, v, d_out)[0]
+    p = torch.softmax((q64 @ k64.transpose(-2, -1) / D ** 0.5).masked_fill(
+        torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
+    E = gamma(D) * (q64.abs() @ k64.abs().transpose(-2, -1)).amax(-1, keepdim=True) / D ** 0.5
+    bound = (2 * E + gamma(S + 8 * t + 8)) * (p @ v64.abs())
+    for out in res:
+        assert ((out["ring_fp32"].double() - ref).abs() <= bound).all()
+    # The same ring without the causal mask is far outside the float64 tolerance.
+    want64 = reference(*inputs(4 * t))[0]
+    assert (res[0]["ring_no_mask"] - want64).abs().max() > 1e6 * REL64 * want64.abs().max()
+
+
+def test_bad_shapes_are_refused_on_every_rank_naming_the_constraint(ranks):
+    t, res = ranks
+    for out in res:
+        assert len(out["errors"]) == 2
+        assert f"does not divide into {2 * t} chunks" in out["errors"][0]
+        assert f"3 heads do not divide over context-parallel size {t}" in out["errors"][1]
