@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from helpers import launch, rank_info
-from helpers.sp import (allgather_attention, block_attention, check_layout, check_ulysses,
+from helpers.memory import SavedTensorCounter
+from helpers.model import Block, GPTConfig
+from helpers.tp import count_collectives, gather_dense, tensor_parallel_block
+from helpers.sp import (allreduce_replicated_grads, ring_wire_bytes, sequence_parallel_block,
+                        allgather_attention, block_attention, check_layout, check_ulysses,
                         gather_sequence, merge_partials, positions, ring_attention,
                         shard_sequence, ulysses_attention, unmasked_scores)
 
@@ -127,7 +131,45 @@ def _everything():
         except ValueError as exc:
             errors.append(str(exc))
     out["errors"] = errors
+    out["sp_block"] = _sp_block()
     return out
+
+
+SP_NAMES = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_proj", "c_fc": "mlp.c_fc",
+            "mlp_proj": "mlp.c_proj"}
+
+
+def _dense_block_and_data(t):
+    torch.manual_seed(3)  # same on every rank
+    block = Block(GPTConfig(n_head=4, n_embd=32)).double()
+    x, dy = torch.randn(2, 4 * t, 32, dtype=torch.float64), torch.randn(2, 4 * t, 32,
+                                                                        dtype=torch.float64)
+    return block, x, dy
+
+
+def _sp_block():
+    r, t = rank_info().rank, rank_info().world_size
+    block, x, dy = _dense_block_and_data(t)
+    sp = sequence_parallel_block(block)
+    x_local = x.chunk(t, dim=1)[r].clone().requires_grad_()          # (B, T/t, h)
+    with count_collectives() as sp_log:
+        y = sp(x_local)
+        y.backward(dy.chunk(t, dim=1)[r])
+    allreduce_replicated_grads(sp)
+    grads = {}
+    for name, g in gather_dense(sp, grads=True).items():
+        head, _, leaf = name.rpartition(".")
+        grads[f"{SP_NAMES.get(head, head)}.{leaf}"] = g
+    tp = tensor_parallel_block(block)
+    with count_collectives() as tp_log:
+        tp(x).backward(dy)
+    with SavedTensorCounter(sp) as sp_saved:
+        sp(x_local)
+    with SavedTensorCounter(tp) as tp_saved:
+        tp(x)
+    return dict(y=y.detach(),
+                dx=x_local.grad, grads=grads, sp_log=sp_log.log, tp_log=tp_log.log,
+                sp_saved=sp_saved.by_module(), tp_saved=tp_saved.by_module())
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -170,3 +212,34 @@ def test_bad_shapes_are_refused_on_every_rank_naming_the_constraint(ranks):
         assert len(out["errors"]) == 2
         assert f"does not divide into {2 * t} chunks" in out["errors"][0]
         assert f"3 heads do not divide over context-parallel size {t}" in out["errors"][1]
+
+
+def test_megatron_sp_block_equals_the_dense_block(ranks):
+    t, res = ranks
+    block, x, dy = _dense_block_and_data(t)
+    x = x.clone().requires_grad_()
+    y = block(x)
+    y.backward(dy)
+    for r, out in enumerate(res):
+        sp = out["sp_block"]
+        assert_close64(sp["y"], y.detach().chunk(t, dim=1)[r], f"SP output rank {r}")
+        assert_close64(sp["dx"], x.grad.chunk(t, dim=1)[r], f"SP dx rank {r}")
+        for name, p in block.named_parameters():
+            assert_close64(sp["grads"][name], p.grad, f"SP grad {name} rank {r}")
+
+
+def test_megatron_sp_same_wire_bytes_as_tp_and_layernorm_activations_split(ranks):
+    t, res = ranks
+    sp, B, T, h = res[0]["sp_block"], 2, 4 * t, 32
+    act = B * T * h * 8                                     # one whole (B, T, h) float64 tensor
+    ops = [(c.op, c.direction, c.nbytes) for c in sp["sp_log"]]
+    # Per direction: 2 all-gathers of the local piece, 2 reduce-scatters of the whole tensor.
+    for direction in ("forward", "backward"):
+        assert sorted(o for o in ops if o[1] == direction) == sorted(
+            [("all_gather", direction, act // t)] * 2 + [("reduce_scatter", direction, act)] * 2)
+    assert [c.op for c in sp["tp_log"]] == ["all_reduce"] * 4
+    wire = [sum(ring_wire_bytes(c.op, c.nbytes, t) for c in sp[k]) for k in ("sp_log", "tp_log")]
+    assert wire[0] == wire[1] == 4 * 2 * (t - 1) / t * act  # Korthikanti sec. 4.2.2
+    # The LayerNorms save their input: (B, T/t, h) under SP, (B, T, h) under TP.
+    for ln in ("ln_1", "ln_2"):
+        assert sp["tp_saved"][ln] == t * sp["sp_saved"][ln] > 0
