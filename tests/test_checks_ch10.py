@@ -19,7 +19,6 @@ def test_merge_solution_passes_stub_and_average_fail(capsys):
         ch10.check_merge(lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)))
 
 
-
 def _ring_without_mask(q, k, v, group=None):
     # Plausible mistake: every block attended in full (no causal mask).
     import torch.distributed as dist
