@@ -242,7 +242,7 @@ class RingAttention(torch.autograd.Function):
                 ds = p * (d_out @ kv[1].transpose(-2, -1) - delta)
                 dq += (ds @ kv[0]) * scale
                 grads[0] = (ds.transpose(-2, -1) @ qc) * scale
-            _wait(dkv_reqs)                                   # the block's accumulator, one hop behind
+            _wait(dkv_reqs)                                   # accumulator, one hop behind
             dkv = grads if dkv is None else dkv + grads
             dkv, dkv_reqs = _shift(dkv, group, tag=1)         # last hop takes it home
             _wait(kv_reqs)
