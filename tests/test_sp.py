@@ -123,6 +123,8 @@ def _everything():
     out["ring_no_mask"] = _run(ring_attention, q, k, v, d_out, "zigzag", causal=False)[0]
     q32, k32, v32, d32 = (x.float() for x in (q, k, v, d_out))
     out["ring_fp32"] = _run(ring_attention, q32, k32, v32, d32, "zigzag")[0]
+    qb, kb, vb, db = (x.bfloat16() for x in (q, k, v, d_out))
+    out["ring_bf16"] = _run(ring_attention, qb, kb, vb, db, "zigzag")[0]
     errors = []
     for fn, args in ((ring_attention, (q[..., :3, :],) * 3),         # local 3: 3t not into 2t
                      (ulysses_attention, (q[:, :3, :4, :],) * 3)):  # 3 heads over t
@@ -189,18 +191,29 @@ def test_equals_full_causal_attention_forward_and_gradients(ranks, name, layout)
             assert_close64(got, ref, f"{name} {layout} t={t} rank {rank} {what}")
 
 
-def test_ring_fp32_within_bound_and_the_mask_matters(ranks):
-    t, res = ranks
-    q, k, v, d_out = (x.float() for x in inputs(4 * t))  # the ranks' fp32 inputs
+def fp32_bound(q, k, v, t):
+    """The module docstring's bound on |ring fp32 output - float64 reference|."""
     S = q.size(-2)
     q64, k64, v64 = (x.double() for x in (q, k, v))
-    ref = reference(q, k, v, d_out)[0]
     p = torch.softmax((q64 @ k64.transpose(-2, -1) / D ** 0.5).masked_fill(
         torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
     E = gamma(D) * (q64.abs() @ k64.abs().transpose(-2, -1)).amax(-1, keepdim=True) / D ** 0.5
-    bound = (2 * E + gamma(S + 8 * t + 8)) * (p @ v64.abs())
+    return (2 * E + gamma(S + 8 * t + 8)) * (p @ v64.abs())
+
+
+def test_ring_fp32_and_bf16_within_bound_and_the_mask_matters(ranks):
+    t, res = ranks
+    q, k, v, d_out = (x.float() for x in inputs(4 * t))  # the ranks' fp32 inputs
+    ref, bound = reference(q, k, v, d_out)[0], fp32_bound(q, k, v, t)
     for out in res:
         assert ((out["ring_fp32"].double() - ref).abs() <= bound).all()
+    # bf16 inputs: computed in fp32 from the bf16 values, then rounded once to bf16
+    # (unit roundoff 2^-8): |o - o64| <= 2^-8 (|o64| + b32) + b32, b32 the fp32 bound.
+    qb, kb, vb, db = (x.bfloat16() for x in inputs(4 * t))
+    ref, b32 = reference(qb, kb, vb, db)[0], fp32_bound(qb, kb, vb, t)
+    for out in res:
+        assert out["ring_bf16"].dtype == torch.bfloat16
+        assert ((out["ring_bf16"].double() - ref).abs() <= 2 ** -8 * (ref.abs() + b32) + b32).all()
     # The same ring without the causal mask is far outside the float64 tolerance.
     want64 = reference(*inputs(4 * t))[0]
     assert (res[0]["ring_no_mask"] - want64).abs().max() > 1e6 * REL64 * want64.abs().max()
