@@ -102,6 +102,18 @@ def test_online_softmax_merge_is_exact_and_averaging_is_not():
     assert torch.equal(merge_partials(oe, le, o2, l2)[0], o2)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "1"], "--world must be >= 2"), (["--steps", "0"], "--steps must be >= 1"),
+    (["--head-dim", "0"], "--head-dim must be >= 1"),
+    (["--seq", "100", "--world", "4"], "sequence length 100 does not divide into 8 chunks"),
+    (["--layout", "striped"], "layout must be one of")])
+def test_benchmark_refuses_bad_arguments_before_any_rank(argv, message, load_bench, monkeypatch):
+    bench = load_bench("bench_sp")
+    monkeypatch.setattr(bench, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(ValueError, match=message):
+        bench.main(argv)
+
+
 # --------------------------------------------------------------------------
 # On ranks: every function, both layouts (t = 2, 4; one launch each).
 # --------------------------------------------------------------------------
