@@ -143,7 +143,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group, layout):
         cp = cp_size(group)
         ctx.group, ctx.order = group, torch.cat(
-            [positions(x.size(-2) * cp, cp, r, layout) for r in range(cp)])
+            [positions(x.size(-2) * cp, cp, r, layout) for r in range(cp)]).to(x.device)
         parts = [torch.empty_like(x) for _ in range(cp)]
         dist.all_gather(parts, x.contiguous(), group=group)
         full = torch.empty_like(torch.cat(parts, -2))
@@ -164,6 +164,7 @@ def allgather_attention(q, k, v, group=None, causal=True, layout="contiguous"):
     if cp > 1:
         k, v = (_GatherSequence.apply(x, group, layout) for x in (k, v))  # (B, H, S, d)
     mask = causal_mask(positions(seq, cp, r, layout), torch.arange(seq)) if causal else None
+    mask = None if mask is None else mask.to(q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -200,10 +201,10 @@ class RingAttention(torch.autograd.Function):
         dt = _compute_dtype(q)
         scale = 1.0 / math.sqrt(q.size(-1))
         qc = q.to(dt)
-        q_pos = positions(seq, cp, r, layout)
+        q_pos = positions(seq, cp, r, layout).to(q.device)
         kv = torch.stack([k, v]).to(dt)                       # (2, B, H, n, d): one message
         out = torch.zeros_like(qc)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt, device=q.device)
         for step in range(cp):
             nxt, reqs = _shift(kv, group, tag=0) if step < cp - 1 else (None, [])
             mask = _block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
@@ -222,7 +223,7 @@ class RingAttention(torch.autograd.Function):
         qc, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, r, seq = cp_size(group), cp_rank(group), qc.size(-2) * cp_size(group)
-        q_pos = positions(seq, cp, r, ctx.layout)
+        q_pos = positions(seq, cp, r, ctx.layout).to(qc.device)
         dt = qc.dtype
         d_out = d_out.to(dt)
         delta = (d_out * out).sum(-1, keepdim=True)           # rowsum(dO * O): (B, H, n, 1)
@@ -256,7 +257,7 @@ def _block_mask(q_pos, seq, cp, src, layout, causal):
     """Mask of my queries against rank ``src``'s keys; None when nothing is masked."""
     if not causal:
         return None
-    mask = causal_mask(q_pos, positions(seq, cp, src, layout))
+    mask = causal_mask(q_pos, positions(seq, cp, src, layout).to(q_pos.device))
     return None if mask.all() else mask
 
 
@@ -281,14 +282,15 @@ def _seq_to_head(x, group, layout):
     recv = [torch.empty_like(c) for c in x.chunk(cp, dim=1)]
     dist.all_to_all(recv, [c.contiguous() for c in x.chunk(cp, dim=1)], group=group)
     by_rank = torch.cat(recv, dim=-2)                     # rank 0's positions, rank 1's, ...
-    order = torch.cat([positions(by_rank.size(-2), cp, r, layout) for r in range(cp)])
+    order = torch.cat([positions(by_rank.size(-2), cp, r, layout)
+                       for r in range(cp)]).to(x.device)
     return torch.empty_like(by_rank).index_copy_(2, order, by_rank)
 
 
 def _head_to_seq(x, group, layout):
     """(B, H/cp, S, d) head-split, global order -> (B, H, S/cp, d) this rank's chunk."""
     cp = cp_size(group)
-    order = torch.cat([positions(x.size(-2), cp, r, layout) for r in range(cp)])
+    order = torch.cat([positions(x.size(-2), cp, r, layout) for r in range(cp)]).to(x.device)
     send = x.index_select(2, order).chunk(cp, dim=-2)     # rank r's positions go to rank r
     recv = [torch.empty_like(c) for c in send]
     dist.all_to_all(recv, [c.contiguous() for c in send], group=group)
