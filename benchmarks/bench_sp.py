@@ -14,6 +14,10 @@ Saved bytes: what autograd keeps for backward (``saved_tensors_hooks``), per ran
 PyTorch's SDPA may take its math path, which saves the s x s probabilities; the ring saves
 q, k, v, the output and one log-sum-exp per row: O(s/cp) per rank.
 
+Hidden communication: the ring forward is also timed as its two parts alone (the cp
+block computations with no messages; the cp - 1 K/V transfers with no compute); the share
+of the transfers hidden is (compute + transfers - ring) / transfers, clipped to [0, 1].
+
 On a CPU with gloo, cp ranks share the same cores, so the time ratio measures the overhead
 of the ring (Python, explicit score blocks, messages), not a speed-up; on cp GPUs each
 rank has its own device.
@@ -75,7 +79,47 @@ def _run(seq, heads, head_dim, steps, layout):
             dist.barrier()                          # every rank done: the slowest sets the time
             if step:
                 times[name].append(time.perf_counter() - t0)
-    return {"times": {k: statistics.median(v) for k, v in times.items()}, "saved": saved}
+    return {"times": {k: statistics.median(v) for k, v in times.items()}, "saved": saved,
+            "parts": _ring_parts(local[:3], steps, layout)}
+
+
+def _ring_parts(qkv, steps, layout):
+    """Median seconds of: ring forward, its block computations alone, its transfers alone."""
+    from helpers.sp import ring_attention
+    from helpers.sp.attention import _block_mask, _shift, _wait, block_attention, merge_partials
+    from helpers.sp.layout import cp_rank, cp_size, positions
+    q, k, v = qkv
+    cp, r = cp_size(), cp_rank()
+    seq = q.size(-2) * cp
+    q_pos = positions(seq, cp, r, layout)
+    kv = torch.stack([k, v])
+
+    def compute():
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+        for step in range(cp):
+            mask = _block_mask(q_pos, seq, cp, (r - step) % cp, layout, True)
+            if mask is None or mask.any():
+                out, lse = merge_partials(out, lse, *block_attention(q, kv[0], kv[1], mask))
+
+    def transfer():
+        x = kv
+        for _ in range(cp - 1):
+            x, reqs = _shift(x, None, tag=0)
+            _wait(reqs)
+
+    parts = {"ring": lambda: ring_attention(q, k, v, layout=layout), "compute": compute,
+             "transfer": transfer}
+    out = {k: [] for k in parts}
+    with torch.no_grad():
+        for step in range(steps + 1):
+            for name, fn in parts.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dist.barrier()
+                if step:
+                    out[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main(argv=None) -> None:
@@ -104,6 +148,11 @@ def main(argv=None) -> None:
         saved = max(r["saved"][name] for r in res) if name == "ring" else s["sdpa"]
         print(f"{label:<18} {t[name] * 1e3:>10.1f} {t[name] / t['sdpa']:>7.2f}x "
               f"{saved / 2**20:>15.2f} {saved / s['sdpa']:>7.2f}x")
+    p = res[0]["parts"]
+    hidden = min(1.0, max(0.0, (p["compute"] + p["transfer"] - p["ring"]) / p["transfer"]))
+    print(f"\nring forward (no grad) {p['ring'] * 1e3:.1f} ms; its block computations alone "
+          f"{p['compute'] * 1e3:.1f} ms; its K/V transfers alone {p['transfer'] * 1e3:.1f} ms:"
+          f" {hidden:.0%} of the transfer time hidden under compute")
 
 
 if __name__ == "__main__":
