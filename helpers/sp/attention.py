@@ -1,0 +1,330 @@
+"""Causal attention over a sequence split across ranks: all-gather, ring, and all-to-all.
+
+What
+----
+Each of cp ranks holds a chunk of the sequence: q, k, v of shape
+(batch, heads, seq / cp, head_dim), positions given by ``helpers.sp.layout``.
+Every query still needs every earlier key. Three ways to get there, each
+returning this rank's chunk of the output, equal to full attention:
+
+* ``allgather_attention``: all-gather K and V (the whole sequence), keep Q
+  local. Llama 3's context parallelism (Dubey et al. 2024, sec. 3.3.2): simple,
+  and K/V are small under grouped-query attention. Memory: the whole K, V.
+* ``ring_attention``: K/V blocks travel round the ring of ranks (isend/irecv)
+  while each rank computes on the block it holds; partial results merge
+  exactly with the online-softmax rule below (Liu, Zaharia & Abbeel 2023,
+  "Ring Attention with Blockwise Transformers for Near-Infinite Context",
+  sec. 3). Memory: two K/V blocks; communication hidden if a block's compute
+  takes longer than its transfer.
+* ``ulysses_attention``: an all-to-all turns sequence-split into head-split,
+  each rank runs ordinary attention on the whole sequence for heads/cp heads,
+  and a second all-to-all turns it back (Jacobs et al. 2023, "DeepSpeed
+  Ulysses", sec. 3). Needs heads divisible by cp.
+
+The merge (online softmax)
+--------------------------
+Attention of a query over keys split into blocks A and B: with per-block
+outputs o_A = softmax(s_A) v_A and log-sum-exps l_A = log sum exp(s_A),
+
+    l = log(e^{l_A} + e^{l_B}),    o = e^{l_A - l} o_A + e^{l_B - l} o_B
+
+exactly (Milakov & Gimelshein 2018, "Online normalizer calculation for
+softmax", sec. 3; the same rule as FlashAttention, Dao et al. 2022, sec. 3.1).
+Averaging o_A and o_B instead is wrong whenever the blocks carry different
+softmax mass.
+
+Backward
+--------
+``ring_attention`` is a custom autograd Function with a ring backward: with
+the final output O and log-sum-exp L saved, a block's probabilities are
+recomputed as P = exp(q k^T / sqrt(d) - L), and (Dao et al. 2022, App. B.2)
+
+    dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),  dQ = dS K / sqrt(d),
+    dK = dS^T Q / sqrt(d).
+
+K, V travel the ring again, and the dK, dV accumulators travel with them one
+hop behind, returning to their owner after cp hops: no rank ever holds the
+whole sequence. The all-gather and all-to-all variants rely on autograd, with
+the conjugate collectives as backward (reduce-scatter for all-gather,
+the reverse all-to-all for all-to-all).
+
+How production differs
+----------------------
+The blocks here use explicit (seq/cp)^2 score matrices; production calls a
+fused kernel per block (FlashAttention returns the log-sum-exp for the merge),
+runs communication on a separate CUDA stream, and skips masked blocks by
+layout (Megatron-LM / TransformerEngine's ``attn_fwd_...cp`` kernels, PyTorch's
+``torch.distributed.tensor.experimental.context_parallel``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from helpers.sp.layout import check_layout, cp_rank, cp_size, positions
+
+__all__ = ["block_attention", "merge_partials", "allgather_attention", "ring_attention",
+           "ulysses_attention", "check_ulysses", "causal_mask", "unmasked_scores"]
+
+
+# --------------------------------------------------------------------------
+# One block, and the merge.
+# --------------------------------------------------------------------------
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """(len q, len k) bool, True where key position <= query position (may attend)."""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def block_attention(q, k, v, mask=None, scale=None):
+    """softmax(q k^T scale, masked) v and the log-sum-exp of each row.
+
+    q: (B, H, n, d), k, v: (B, H, m, d), mask: (n, m) bool or None.
+    Returns o (B, H, n, d) and lse (B, H, n); a row with no allowed key has
+    o = 0 and lse = -inf (it carries no softmax mass into a merge).
+    """
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    s = (q @ k.transpose(-2, -1)) * scale                        # (B, H, n, m)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                             # (B, H, n)
+    p = torch.exp(s - _finite(lse)[..., None])                   # exp(-inf) = 0 on empty rows
+    return p @ v, lse
+
+
+def merge_partials(o1, lse1, o2, lse2):
+    """The online-softmax merge of two partial attentions over disjoint key blocks.
+
+    l = logaddexp(l1, l2); o = e^{l1-l} o1 + e^{l2-l} o2 (Milakov & Gimelshein 2018).
+    """
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - _finite(lse)).nan_to_num(0.0)   # both -inf: the row stays empty
+    w2 = torch.exp(lse2 - _finite(lse)).nan_to_num(0.0)
+    return w1[..., None] * o1 + w2[..., None] * o2, lse
+
+
+def _finite(lse):
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def unmasked_scores(seq: int, cp: int, layout: str) -> list[int]:
+    """Score entries each rank computes under the causal mask (the work per rank)."""
+    return [int(causal_mask(positions(seq, cp, r, layout), torch.arange(seq)).sum())
+            for r in range(cp)]
+
+
+def _compute_dtype(x):
+    # bf16 / fp16 inputs: exponentials, sums and the merge in fp32 (as fused kernels do)
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _check(q, k, v, group, layout):
+    """Same checks on every rank before any communication: all fail alike, none hangs."""
+    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
+        raise ValueError(f"q, k, v must share one shape (batch, heads, seq/cp, head_dim), "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    cp = cp_size(group)
+    check_layout(q.size(-2) * cp, cp, layout)
+    return cp, cp_rank(group), q.size(-2) * cp
+
+
+# --------------------------------------------------------------------------
+# All-gather K/V (Llama 3).
+# --------------------------------------------------------------------------
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather chunks into the global order forward; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        cp = cp_size(group)
+        ctx.group, ctx.order = group, torch.cat(
+            [positions(x.size(-2) * cp, cp, r, layout) for r in range(cp)]).to(x.device)
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        full = torch.empty_like(torch.cat(parts, -2))
+        return full.index_copy_(-2 % x.dim(), ctx.order, torch.cat(parts, -2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank's queries used my keys: sum their gradients for my rows
+        by_rank = grad.index_select(-2, ctx.order).chunk(cp_size(ctx.group), dim=-2)
+        out = torch.empty_like(by_rank[0])
+        dist.reduce_scatter(out, [c.contiguous() for c in by_rank], group=ctx.group)
+        return out, None, None
+
+
+def allgather_attention(q, k, v, group=None, causal=True, layout="contiguous"):
+    """Local q against the all-gathered K, V; returns this rank's output chunk."""
+    cp, r, seq = _check(q, k, v, group, layout)
+    if cp > 1:
+        k, v = (_GatherSequence.apply(x, group, layout) for x in (k, v))  # (B, H, S, d)
+    mask = causal_mask(positions(seq, cp, r, layout), torch.arange(seq)) if causal else None
+    mask = None if mask is None else mask.to(q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# --------------------------------------------------------------------------
+# Ring attention.
+# --------------------------------------------------------------------------
+
+def _shift(x, group, tag):
+    """Start sending ``x`` to the next rank of the ring and receiving from the previous one.
+
+    Returns (receive buffer, requests); wait on the requests before reading it.
+    """
+    cp, r = cp_size(group), cp_rank(group)
+    if cp == 1:
+        return x, []
+    peer = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
+    buf = torch.empty_like(x)
+    reqs = [dist.isend(x.contiguous(), peer((r + 1) % cp), group=group, tag=tag),
+            dist.irecv(buf, peer((r - 1) % cp), group=group, tag=tag)]
+    return buf, reqs
+
+
+def _wait(reqs):
+    for req in reqs:
+        req.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward and backward both on the ring (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout):
+        cp, r, seq = _check(q, k, v, group, layout)
+        dt = _compute_dtype(q)
+        scale = 1.0 / math.sqrt(q.size(-1))
+        qc = q.to(dt)
+        q_pos = positions(seq, cp, r, layout).to(q.device)
+        kv = torch.stack([k, v]).to(dt)                       # (2, B, H, n, d): one message
+        out = torch.zeros_like(qc)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt, device=q.device)
+        for step in range(cp):
+            nxt, reqs = _shift(kv, group, tag=0) if step < cp - 1 else (None, [])
+            mask = _block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
+            if mask is None or mask.any():                    # fully masked: skip the block
+                o, l = block_attention(qc, kv[0], kv[1], mask, scale)
+                out, lse = merge_partials(out, lse, o, l)
+            _wait(reqs)                                       # next block arrived under compute
+            kv = nxt
+        ctx.save_for_backward(qc, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        qc, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, r, seq = cp_size(group), cp_rank(group), qc.size(-2) * cp_size(group)
+        q_pos = positions(seq, cp, r, ctx.layout).to(qc.device)
+        dt = qc.dtype
+        d_out = d_out.to(dt)
+        delta = (d_out * out).sum(-1, keepdim=True)           # rowsum(dO * O): (B, H, n, 1)
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v]).to(dt)
+        dkv, dkv_reqs = None, []
+        for step in range(cp):
+            nxt, kv_reqs = _shift(kv, group, tag=0) if step < cp - 1 else (None, [])
+            grads = torch.zeros_like(kv)                      # this step's dK, dV of the held block
+            mask = _block_mask(q_pos, seq, cp, (r - step) % cp, ctx.layout, ctx.causal)
+            if mask is None or mask.any():
+                s = (qc @ kv[0].transpose(-2, -1)) * scale
+                if mask is not None:
+                    s = s.masked_fill(~mask, float("-inf"))
+                p = torch.exp(s - lse[..., None])             # recomputed probabilities
+                grads[1] = p.transpose(-2, -1) @ d_out
+                ds = p * (d_out @ kv[1].transpose(-2, -1) - delta)
+                dq += (ds @ kv[0]) * scale
+                grads[0] = (ds.transpose(-2, -1) @ qc) * scale
+            _wait(dkv_reqs)                                   # accumulator, one hop behind
+            dkv = grads if dkv is None else dkv + grads
+            dkv, dkv_reqs = _shift(dkv, group, tag=1)         # last hop takes it home
+            _wait(kv_reqs)
+            kv = nxt
+        _wait(dkv_reqs)
+        dq_t, dk_t, dv_t = ctx.dtypes
+        return dq.to(dq_t), dkv[0].to(dk_t), dkv[1].to(dv_t), None, None, None
+
+
+def _block_mask(q_pos, seq, cp, src, layout, causal):
+    """Mask of my queries against rank ``src``'s keys; None when nothing is masked."""
+    if not causal:
+        return None
+    mask = causal_mask(q_pos, positions(seq, cp, src, layout).to(q_pos.device))
+    return None if mask.all() else mask
+
+
+def ring_attention(q, k, v, group=None, causal=True, layout="contiguous"):
+    """Ring attention on this rank's chunk; returns its output chunk (see module docstring)."""
+    return RingAttention.apply(q, k, v, group, causal, layout)
+
+
+# --------------------------------------------------------------------------
+# All-to-all (DeepSpeed-Ulysses).
+# --------------------------------------------------------------------------
+
+def check_ulysses(heads: int, cp: int) -> None:
+    """Pure: raise ValueError unless ``heads`` split over cp ranks (call before launching)."""
+    if heads % cp:
+        raise ValueError(f"{heads} heads do not divide over context-parallel size {cp}")
+
+
+def _seq_to_head(x, group, layout):
+    """(B, H, S/cp, d) sequence-split -> (B, H/cp, S, d) head-split, global order."""
+    cp = cp_size(group)
+    recv = [torch.empty_like(c) for c in x.chunk(cp, dim=1)]
+    dist.all_to_all(recv, [c.contiguous() for c in x.chunk(cp, dim=1)], group=group)
+    by_rank = torch.cat(recv, dim=-2)                     # rank 0's positions, rank 1's, ...
+    order = torch.cat([positions(by_rank.size(-2), cp, r, layout)
+                       for r in range(cp)]).to(x.device)
+    return torch.empty_like(by_rank).index_copy_(2, order, by_rank)
+
+
+def _head_to_seq(x, group, layout):
+    """(B, H/cp, S, d) head-split, global order -> (B, H, S/cp, d) this rank's chunk."""
+    cp = cp_size(group)
+    order = torch.cat([positions(x.size(-2), cp, r, layout) for r in range(cp)]).to(x.device)
+    send = x.index_select(2, order).chunk(cp, dim=-2)     # rank r's positions go to rank r
+    recv = [torch.empty_like(c) for c in send]
+    dist.all_to_all(recv, [c.contiguous() for c in send], group=group)
+    return torch.cat(recv, dim=1)                         # heads of rank 0, rank 1, ...
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        ctx.group, ctx.layout = group, layout
+        return _seq_to_head(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):  # the conjugate of an all-to-all is the reverse all-to-all
+        return _head_to_seq(grad, ctx.group, ctx.layout), None, None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        ctx.group, ctx.layout = group, layout
+        return _head_to_seq(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_head(grad, ctx.group, ctx.layout), None, None
+
+
+def ulysses_attention(q, k, v, group=None, causal=True, layout="contiguous"):
+    """All-to-all to head-split, full-sequence attention on H/cp heads, all-to-all back."""
+    cp, _, _ = _check(q, k, v, group, layout)
+    check_ulysses(q.size(1), cp)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    q, k, v = (_SeqToHead.apply(x, group, layout) for x in (q, k, v))  # (B, H/cp, S, d)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return _HeadToSeq.apply(y, group, layout)
