@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["global_batch_size", "accumulate_gradients", "linear_scaled_lr", "sqrt_scaled_lr",
+__all__ = ["global_batch_size", "accumulate_gradients", "accumulate_token_weighted", "linear_scaled_lr", "sqrt_scaled_lr",
            "warmup_lr", "scaled_lr", "grad_sq_norm", "noise_scale", "measure_noise_scale"]
 
 
@@ -82,6 +82,39 @@ def accumulate_gradients(model: nn.Module, micro_batches: Sequence, loss_fn: Cal
             loss.backward()
         total += float(loss.detach())
     return total
+
+
+def accumulate_token_weighted(model: nn.Module, micro_batches: Sequence,
+                              loss_sum_fn: Callable, count_fn: Callable, group=None) -> tuple[float, int]:
+    """Backward over ``micro_batches`` so that, after the data-parallel mean
+    all-reduce, ``.grad`` = gradient of the mean loss per token of the whole
+    global batch (all micro-batches of all ranks), whatever each holds.
+
+    ``loss_sum_fn(model, batch)``: the loss *summed* over the batch's loss tokens;
+    ``count_fn(batch)``: how many loss tokens it has (e.g. labels != -100).
+    One all-reduce of the local token count gives the global count N; each
+    summed loss is scaled by p / N, because the gradient all-reduce (DDP,
+    ``average_gradients``) then divides by p. Returns (this rank's summed loss / N,
+    N): the ranks' first values add up to the global mean loss.
+    """
+    if len(micro_batches) == 0:
+        raise ValueError("need at least one micro-batch")
+    p = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    count = torch.tensor([float(sum(int(count_fn(b)) for b in micro_batches))])
+    if p > 1:
+        dist.all_reduce(count, group=group)  # 4 bytes: the global number of loss tokens
+    n_tokens = int(count.item())
+    if n_tokens == 0:
+        raise ValueError("the global batch has no loss tokens (every label is ignored)")
+    total = 0.0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        ctx = model.no_sync() if (hasattr(model, "no_sync") and not last) else _nullctx()
+        with ctx:
+            loss = loss_sum_fn(model, batch) * (p / n_tokens)
+            loss.backward()
+        total += float(loss.detach()) / p
+    return total, n_tokens
 
 
 class _nullctx:

@@ -64,7 +64,7 @@ __all__ = ["ModelStateBytes", "model_state_bytes", "GB", "RECOMPUTE_MODES",
            "activation_bytes_per_layer", "activation_bytes_model", "training_memory",
            "MODEL_PRESETS", "SavedRecord", "SavedTensorCounter", "count_saved_bytes",
            "ExplainedTerm", "explain_saved_bytes", "cuda_peak_bytes", "plot_memory_bars",
-           "memory_widget"]
+           "memory_over_step", "plot_memory_over_step", "memory_widget"]
 
 GB = 1e9  # decimal gigabyte, as in the ZeRO and Megatron papers
 
@@ -262,6 +262,69 @@ def training_memory(n_params: float, *, seq: int, micro_batch: int, hidden: int,
     act *= 2 if precision == "fp32" else 1
     return {"weights": states.params, "grads": states.grads, "optimizer": states.optimizer,
             "activations": act, "total": states.total + act}
+
+
+def memory_over_step(budget: dict[str, float], layers: int) -> list[tuple[str, dict[str, float]]]:
+    """Live bytes of each part at each point of one training step, from a
+    ``training_memory`` budget: the parts are not all alive at once.
+
+    * start: weights and optimizer state; no gradients, since the previous
+      step's ``zero_grad(set_to_none=True)`` (PyTorch's default) freed them;
+    * forward, after layer i of ``layers``: i / layers of the activations;
+    * backward, after layer i from the top: the activations of the layers
+      not yet reached, plus the gradients of the layers already done (a layer's
+      saved tensors are freed by its backward, its gradients appear there);
+    * optimizer step: weights, gradients and optimizer state;
+    * after zero_grad: back to the start.
+
+    Within backward the live total is linear in i, so the peak is
+    weights + optimizer + max(activations, gradients), not the sum of all four
+    parts. A model, not a measurement: it leaves out temporaries (a layer's
+    backward workspace, the logits, Adam's update buffers), the CUDA context and
+    fragmentation, and ZeRO-2/3's full-size gradient buckets before their
+    reduce-scatter; ``torch.cuda.max_memory_allocated`` sees those too.
+    """
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be a positive int, got {layers!r}")
+    w, g, o, a = (float(budget[k]) for k in ("weights", "grads", "optimizer", "activations"))
+    points = [("start", {"weights": w, "grads": 0.0, "optimizer": o, "activations": 0.0})]
+    for i in range(1, layers + 1):
+        points.append((f"forward {i}", {"weights": w, "grads": 0.0, "optimizer": o,
+                                        "activations": a * i / layers}))
+    for i in range(1, layers + 1):
+        points.append((f"backward {i}", {"weights": w, "grads": g * i / layers, "optimizer": o,
+                                         "activations": a * (layers - i) / layers}))
+    points.append(("optimizer step", {"weights": w, "grads": g, "optimizer": o, "activations": 0.0}))
+    points.append(("after zero_grad", dict(points[0][1])))
+    return points
+
+
+def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
+                          gpu_gb: float | None = 80.0):
+    """One panel per budget: the parts of ``memory_over_step`` stacked over the step,
+    with the sum of all parts (the bar chart's total) dashed for comparison."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.2), squeeze=False)
+    for ax, (name, budget) in zip(axes[0], budgets.items()):
+        points = memory_over_step(budget, layers)
+        gap = max(2, layers // 2)  # room for the optimizer step's label after backward
+        xs = list(range(2 * layers + 1)) + [2 * layers + gap, 2 * layers + 2 * gap]
+        ax.stackplot(xs, *[[pt[part] / GB for _, pt in points] for part in _PARTS],
+                     labels=_PARTS, colors=[_COLORS[p] for p in _PARTS])
+        ax.axhline(sum(budget[p] for p in _PARTS) / GB, color="grey", ls=":", lw=1,
+                   label="sum of parts")
+        if gpu_gb:
+            ax.axhline(gpu_gb, color="k", ls="--", lw=1, label=f"{gpu_gb:g} GB GPU")
+        ax.axvspan(layers, 2 * layers, color="0.9", zorder=0)  # backward
+        ax.set_xticks([0, layers, 2 * layers, 2 * layers + gap],
+                      ["start", "end of\nforward", "end of\nbackward", "optimizer\nstep"],
+                      fontsize=8)
+        ax.set_title(name.replace("\n", " "), fontsize=9)
+        ax.set_ylabel("GB per GPU")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    plt.tight_layout()
+    return axes[0]
 
 
 # ---------------------------------------------------------------------------
@@ -642,8 +705,9 @@ def memory_widget(preset: str = "70B (Llama 2)"):
                        style=style),
         micro_batch=W.IntSlider(value=1, min=1, max=16, description="micro-batch", style=style),
         sp=W.Checkbox(value=False, description="sequence parallel"),
-        recompute=W.Dropdown(options=list(RECOMPUTE_MODES), description="recompute",
-                             style=style),
+        # selective: what a fused attention kernel without dropout keeps (no s x s scores)
+        recompute=W.Dropdown(options=list(RECOMPUTE_MODES), value="selective",
+                             description="recompute", style=style),
     )
     out = W.Output()
 

@@ -112,3 +112,73 @@ def test_no_sync_accumulation_on_two_ranks_and_noise_scale():
         assert check["b_simple"] == pytest.approx(est["b_simple"])
         assert est["g_small_sq"] > est["g_big_sq"] > 0  # a smaller batch is noisier
     assert results[0][3] == results[1][3]
+
+
+IGNORE = -100  # F.cross_entropy's default ignore_index: a padded or masked label
+
+
+def _padded_batch():
+    """8 sequences of 16 tokens; sequence i keeps its first 2 + 2i labels, so the
+    micro-batches hold very different numbers of loss tokens."""
+    x, y = make_dataset(seq_len=16, num_sequences=8).batch(range(8))
+    y = y.clone()
+    for i in range(8):
+        y[i, 2 + (2 * i) % 15:] = IGNORE
+    return x, y
+
+
+def _loss_sum(model, batch):
+    logits, _ = model(batch[0])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                             batch[1].reshape(-1), reduction="sum")
+
+
+def _count(batch):
+    return int((batch[1] != IGNORE).sum())
+
+
+def _token_weighted_on_ranks(weighted):
+    from helpers.batch import accumulate_token_weighted
+    r = rank_info().rank
+    x, y = _padded_batch()
+    ddp = BucketedDDP(build_model("toy", seed=1))
+    mine = (x[4 * r:4 * r + 4], y[4 * r:4 * r + 4])  # rank r: 2 micro-batches of 2
+    micro = [(mine[0][i:i + 2], mine[1][i:i + 2]) for i in (0, 2)]
+    if weighted:
+        accumulate_token_weighted(ddp, micro, _loss_sum, _count)
+    else:  # the mean of per-micro-batch means, then DDP's mean over ranks
+        accumulate_gradients(ddp, micro, _loss)
+    return [p.grad.clone() for p in ddp.module.parameters()]
+
+
+def test_token_weighted_accumulation_equals_the_global_token_mean():
+    x, y = _padded_batch()
+    ref = build_model("toy", seed=1)
+    _loss(ref, (x, y)).backward()  # mean over every non-ignored token of the 8 sequences
+    for weighted in (True, False):
+        grads = launch(_token_weighted_on_ranks, 2, weighted)
+        worst = max(float((a - p.grad).abs().max() / p.grad.abs().max())
+                    for a, p in zip(grads[0], ref.parameters()))
+        if weighted:
+            # same sums in another order: fp32 rounding, ~1e-7 relative (1e-5 leaves 100x)
+            assert worst < 1e-5
+            for a, p in zip(grads[1], ref.parameters()):
+                torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+        else:
+            # token counts 2..16 per sequence: equal weights per micro-batch are wrong by
+            # far more than rounding
+            assert worst > 1e-2
+
+
+def test_token_weighted_single_process_and_errors():
+    from helpers.batch import accumulate_token_weighted
+    x, y = _padded_batch()
+    ref, acc = build_model("toy", seed=1), build_model("toy", seed=1)
+    _loss(ref, (x, y)).backward()
+    loss, n = accumulate_token_weighted(acc, [(x[:3], y[:3]), (x[3:], y[3:])], _loss_sum, _count)
+    assert n == _count((x, y))
+    assert loss == pytest.approx(float(_loss(ref, (x, y))), rel=1e-5)
+    for a, p in zip(acc.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, p.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="no loss tokens"):
+        accumulate_token_weighted(acc, [(x, torch.full_like(y, IGNORE))], _loss_sum, _count)

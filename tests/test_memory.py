@@ -188,3 +188,21 @@ def test_cuda_saved_bytes_match_cuda_accounting():
         model(idx, tgt)
     explained = explain_saved_bytes(model.config, 2, 8, torch.bfloat16, device_type="cuda")
     assert counter.total_bytes == sum(t.nbytes for t in explained)
+
+
+def test_memory_over_step_peak_is_not_the_sum():
+    from helpers.memory import memory_over_step
+    budget = {"weights": 2.0, "grads": 3.0, "optimizer": 12.0, "activations": 40.0}
+    points = memory_over_step(budget, layers=4)
+    totals = [sum(v.values()) for _, v in points]
+    # the parts never all live at once: peak = weights + optimizer + max(acts, grads)
+    assert max(totals) == 2 + 12 + 40 < 2 + 3 + 12 + 40
+    assert [name for name, _ in points][:2] == ["start", "forward 1"]
+    assert points[0][1]["grads"] == 0 and points[-1][1] == points[0][1]
+    assert points[4][1]["activations"] == 40 and points[8][1]["grads"] == 3  # ends of fwd, bwd
+    assert points[9][0] == "optimizer step" and totals[9] == 2 + 3 + 12
+    # gradients larger than the activations: the peak moves to the end of backward
+    big_g = dict(budget, grads=50.0)
+    assert max(sum(v.values()) for _, v in memory_over_step(big_g, 4)) == 2 + 12 + 50
+    with pytest.raises(ValueError, match="layers"):
+        memory_over_step(budget, 0)

@@ -6,7 +6,8 @@ import pytest
 
 from helpers.pipeline import (Action, B, F, ScheduleDeadlock, bubble_formula, format_schedule,
                               gpipe, interleaved_1f1b, one_f_one_b, partition, peak_stash,
-                              simulate, stage_costs, validate_schedule)
+                              pipeline_step_time, simulate, stage_costs, stash_memory,
+                              validate_schedule)
 from helpers.pipeline.schedules import microbatch_rounds, schedule_shape
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
@@ -415,3 +416,58 @@ def test_stash_meter_holds_until_the_tensor_dies():
     import gc
     gc.collect()
     assert meter.live_bytes == 0
+
+
+def test_step_time_formula_matches_the_simulator():
+    """(m - 1) max t + sum t is the simulated makespan of GPipe when every stage's
+    backward is twice its forward, and of 1F1B when the slowest stage is last
+    (otherwise 1F1B is at most that); (m + p - 1) max t only bounds it."""
+    import random
+    rng = random.Random(1)
+    for _ in range(30):
+        p, m = rng.randint(1, 5), rng.randint(1, 10)
+        t = [float(rng.choice([3, 6, 9, 12, 15])) for _ in range(p)]
+        tf, tb = [x / 3 for x in t], [2 * x / 3 for x in t]
+        formula = pipeline_step_time(t, m)
+        # sums of a few dozen integers held in float64: exact up to a few roundings
+        assert simulate(gpipe(p, m), tf, tb).total_time == pytest.approx(formula, rel=1e-12)
+        ofob = simulate(one_f_one_b(p, m), tf, tb).total_time
+        assert ofob <= formula * (1 + 1e-12)
+        if t[-1] == max(t):
+            assert ofob == pytest.approx(formula, rel=1e-12)
+        assert formula <= (m + p - 1) * max(t)
+    # the chapter 11 quiz: 10, 10, 10, 16 ms and m = 8 is 158 ms, not (8 + 3) x 16 = 176
+    assert pipeline_step_time([10, 10, 10, 16], 8) == 158
+    with pytest.raises(ValueError, match="num_microbatches"):
+        pipeline_step_time([1.0], 0)
+
+
+def test_partition_under_a_memory_limit():
+    import itertools
+    import random
+    rng = random.Random(2)
+    for _ in range(150):
+        n = rng.randint(2, 8)
+        k = rng.randint(1, min(n, 4))
+        costs = [rng.choice([1, 2, 3, 5]) for _ in range(n)]
+        mem = [rng.choice([1, 2, 3]) for _ in range(n)]
+        limit = rng.choice([4, 6, 8, 12, 100])
+        feasible = []
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            b = [range(a, z) for a, z in zip((0, *cuts), (*cuts, n))]
+            if max(stash_memory(mem, b)) <= limit:
+                feasible.append(max(stage_costs(costs, b)))
+        if not feasible:
+            with pytest.raises(ValueError, match="memory_limit"):
+                partition(costs, k, layer_memory=mem, memory_limit=limit)
+            continue
+        bounds = partition(costs, k, layer_memory=mem, memory_limit=limit)
+        assert max(stash_memory(mem, bounds)) <= limit
+        assert max(stage_costs(costs, bounds)) == min(feasible)
+    # stage 0 stashes p micro-batches: the same layers cost it p times the memory
+    assert stash_memory([1] * 8, partition(8, 4)) == [8, 6, 4, 2]
+    # a limit of 6 moves a layer off stage 0: 1, 2, 2, 3 layers (stash 4, 6, 4, 3)
+    assert partition(8, 4, layer_memory=[1] * 8, memory_limit=6) == \
+        [range(0, 1), range(1, 3), range(3, 5), range(5, 8)]
+    with pytest.raises(ValueError, match="together"):
+        partition(8, 4, layer_memory=[1] * 8)

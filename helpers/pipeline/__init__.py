@@ -11,12 +11,12 @@
 * ``executor``: runs any F/B schedule on real ranks with send/recv.
 """
 
-from helpers.pipeline.partition import partition, stage_costs
+from helpers.pipeline.partition import partition, pipeline_step_time, stage_costs, stash_memory
 from helpers.pipeline.schedules import (Action, B, F, format_schedule, gpipe, interleaved_1f1b,
                                         one_f_one_b)
 from helpers.pipeline.simulate import (ScheduleDeadlock, Simulation, bubble_formula, gantt,
                                        peak_stash, simulate, validate_schedule)
 
-__all__ = ["partition", "stage_costs", "Action", "F", "B", "gpipe", "one_f_one_b",
+__all__ = ["partition", "stage_costs", "pipeline_step_time", "stash_memory", "Action", "F", "B", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "format_schedule", "simulate", "Simulation",
            "ScheduleDeadlock", "validate_schedule", "bubble_formula", "peak_stash", "gantt"]

@@ -5,14 +5,32 @@ through every stage, so in the steady state each stage gets one slot per
 micro-batch of length ``max_s cost(s)``. The other stages wait for the
 difference. ``partition(layer_costs, num_stages)`` therefore picks the
 contiguous split (stages must be contiguous: stage s feeds stage s+1) that
-minimizes the most expensive stage. The cost of imbalance is
+minimizes the most expensive stage. With stage times t_s (forward + backward
+of one micro-batch, no communication) a GPipe or 1F1B step takes
 
-    step time ~ (m + p - 1) * max_s cost(s)    instead of    (m + p - 1) * mean_s cost(s)
+    GPipe step time = (m - 1) * max_s t_s + sum_s t_s     (``pipeline_step_time``)
 
-(Huang et al. 2019, "GPipe", sec. 2.2 uses a partitioning heuristic to
-balance estimated per-layer cost for exactly this reason; Narayanan et al.
-2019, "PipeDream", sec. 3.1 solves it by dynamic programming with
-communication costs included.)
+each micro-batch crosses every stage once (the fill and drain, sum t_s) and
+the other m - 1 micro-batches leave at the pace of the slowest stage. It is
+the makespan of a flow shop whose jobs are all alike; with balanced stages it
+is the familiar (m + p - 1) t (Narayanan et al. 2021, SC21, sec. 2.2), and
+(m + p - 1) * max_s t_s is only an upper bound. The course's simulator
+reproduces it exactly for GPipe when every stage's backward is the same
+multiple of its forward; 1F1B, which starts backwards early, takes the same
+time when the slowest stage is the last one (an LM head) and can be shorter
+otherwise (tests/test_pipeline_schedules.py checks both on random stage times). (Huang et al. 2019, "GPipe",
+sec. 2.2 uses a partitioning heuristic to balance estimated per-layer cost for
+exactly this reason; Narayanan et al. 2019, "PipeDream", sec. 3.1 solves it by
+dynamic programming with communication costs included.)
+
+Memory is the second thing to balance. Under 1F1B stage s (0-based) stashes
+the activations of p - s micro-batches (chapter 12): stage 0 holds p
+micro-batches of L/p layers, as much as the whole model's activations for one
+micro-batch, whatever p is (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", sec. 4.2.3, eq. 5). Pass
+``layer_memory`` (activation bytes of one micro-batch per layer) and
+``memory_limit``: only splits with (p - s) * memory(stage s) <= memory_limit
+on every stage are allowed, and among those the slowest stage is minimized.
 
 Algorithm: dynamic programming over prefixes, O(L^2 p) for L layers. best[k][i]
 is the smallest possible "largest stage" when the first i layers form k
@@ -37,14 +55,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["partition", "stage_costs"]
+__all__ = ["partition", "stage_costs", "pipeline_step_time", "stash_memory"]
 
 
-def partition(layer_costs: int | Sequence[float], num_stages: int) -> list[range]:
+def partition(layer_costs: int | Sequence[float], num_stages: int, *,
+              layer_memory: Sequence[float] | None = None,
+              memory_limit: float | None = None) -> list[range]:
     """Contiguous split of the layers into ``num_stages`` non-empty stages that
     minimizes the cost of the most expensive stage; among equally good splits,
     the one whose later stages are longest (earlier stages lighter). Returns one
-    ``range`` of layer indices per stage, e.g. ``[range(0, 2), range(2, 4)]``."""
+    ``range`` of layer indices per stage, e.g. ``[range(0, 2), range(2, 4)]``.
+
+    With ``layer_memory`` and ``memory_limit``, stage s may hold only layers
+    whose 1F1B stash, (num_stages - s) * sum(layer_memory), fits the limit."""
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
     if isinstance(layer_costs, bool):
@@ -56,6 +79,15 @@ def partition(layer_costs: int | Sequence[float], num_stages: int) -> list[range
                          f"needs at least one layer (use at most {L} stages or a deeper model)")
     if any(c < 0 for c in costs):
         raise ValueError(f"layer costs must be >= 0, got {costs}")
+    if (layer_memory is None) != (memory_limit is None):
+        raise ValueError("give layer_memory and memory_limit together (or neither)")
+    mem = [0.0] * L if layer_memory is None else [float(x) for x in layer_memory]
+    if len(mem) != L:
+        raise ValueError(f"layer_memory has {len(mem)} entries for {L} layers")
+    limit = float("inf") if memory_limit is None else float(memory_limit)
+    mem_prefix = [0.0]
+    for x in mem:
+        mem_prefix.append(mem_prefix[-1] + x)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -70,9 +102,17 @@ def partition(layer_costs: int | Sequence[float], num_stages: int) -> list[range
             # last stage = layers [j, i); j ascending and a strict "<" keep the smallest j
             # among equally good cuts: the longest last stage (ties -> earlier stages smaller)
             for j in range(k - 1, i):
+                # stage k - 1 (0-based) stashes num_stages - k + 1 micro-batches under 1F1B
+                if (num_stages - k + 1) * (mem_prefix[i] - mem_prefix[j]) > limit:
+                    continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i] - 1e-12:
                     best[k][i], cut[k][i] = value, j
+    if best[num_stages][L] == inf:
+        raise ValueError(f"no split into {num_stages} stages keeps every stage's 1F1B stash "
+                         f"within memory_limit={memory_limit:g} (stage 0 alone needs "
+                         f"{num_stages} x its layers' memory): raise the limit, recompute "
+                         f"activations, or use more stages")
     bounds, i = [], L
     for k in range(num_stages, 0, -1):
         j = cut[k][i]
@@ -85,3 +125,22 @@ def stage_costs(layer_costs: int | Sequence[float], bounds: Sequence[range]) -> 
     """Total cost of each stage of a split."""
     costs = [1.0] * layer_costs if isinstance(layer_costs, int) else [float(c) for c in layer_costs]
     return [sum(costs[i] for i in r) for r in bounds]
+
+
+def pipeline_step_time(stage_times: Sequence[float], num_microbatches: int) -> float:
+    """Step time of GPipe (an upper bound for 1F1B) with per-stage times ``stage_times`` (forward +
+    backward of one micro-batch, no communication): (m - 1) max t + sum t. The fill
+    and drain pass every stage once; the other m - 1 micro-batches go at the
+    slowest stage's pace (see the module docstring)."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
+            or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    t = [float(x) for x in stage_times]
+    return (num_microbatches - 1) * max(t) + sum(t)
+
+
+def stash_memory(layer_memory: Sequence[float], bounds: Sequence[range]) -> list[float]:
+    """Peak activation memory of each stage under 1F1B: stage s stashes
+    p - s micro-batches of its layers (Korthikanti et al. 2022, sec. 4.2.3)."""
+    p = len(bounds)
+    return [(p - s) * sum(layer_memory[i] for i in r) for s, r in enumerate(bounds)]
