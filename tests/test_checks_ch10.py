@@ -7,7 +7,7 @@ from helpers.checks import CheckFailed, ch10
 from helpers.sp import block_attention, merge_partials
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/10_sequence_parallel.ipynb", "solutions/10_sequence_parallel.ipynb"
+LAB, SOL = "labs/10_sequence_parallel_lab.ipynb", "solutions/10_sequence_parallel_solution.ipynb"
 
 
 def test_merge_solution_passes_stub_and_average_fail(capsys):
