@@ -85,7 +85,8 @@ import torch.nn.functional as F
 
 __all__ = ["MoEConfig", "MoELayer", "MoEStats", "Expert", "load_balancing_loss",
            "router_z_loss", "route", "capacity_keep", "expert_capacity",
-           "exchange_splits", "all_to_all", "alltoall_bytes", "moe_aux_loss", "moe_stats"]
+           "exchange_splits", "all_to_all", "alltoall_bytes", "apply_ep", "moe_aux_loss",
+           "moe_stats"]
 
 
 @dataclasses.dataclass
@@ -267,16 +268,25 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, ep_group=None):
         super().__init__()
-        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-        self.cfg = MoEConfig(hidden, ffn_hidden, num_experts, top_k, capacity_factor, ep_size)
+        self.cfg = MoEConfig(hidden, ffn_hidden, num_experts, top_k, capacity_factor)
         self.router = nn.Linear(hidden, num_experts, bias=False)
-        experts = [Expert(hidden, ffn_hidden) for _ in range(num_experts)]
-        self.ep_group = ep_group
-        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        self.experts = nn.ModuleList(Expert(hidden, ffn_hidden) for _ in range(num_experts))
+        self.expert_ids = list(range(num_experts))
+        self.ep_group, self.ep_rank = None, 0
+        self.last_stats: MoEStats | None = None
+        if ep_group is not None:
+            self.shard_experts_(ep_group)
+
+    def shard_experts_(self, ep_group) -> "MoELayer":
+        """Keep only this rank's E/P experts; later forwards dispatch over ``ep_group``."""
+        if self.ep_group is not None:
+            raise ValueError("the experts of this layer are already split over a group")
+        self.cfg = dataclasses.replace(self.cfg, ep_size=dist.get_world_size(ep_group))
+        self.ep_group, self.ep_rank = ep_group, dist.get_rank(ep_group)
         lo = self.ep_rank * self.cfg.experts_per_rank
         self.expert_ids = list(range(lo, lo + self.cfg.experts_per_rank))
-        self.experts = nn.ModuleList(experts[e] for e in self.expert_ids)
-        self.last_stats: MoEStats | None = None
+        self.experts = nn.ModuleList(self.experts[e] for e in self.expert_ids)
+        return self
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
@@ -339,6 +349,15 @@ class MoELayer(nn.Module):
 
 
 # --------------------------------------------------------------------------- in a model
+
+def apply_ep(model: nn.Module, ep_group) -> nn.Module:
+    """Split the experts of every MoE layer of ``model`` over ``ep_group`` (in place).
+    Call it on every rank, on models built with the same seed."""
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.shard_experts_(ep_group)
+    return model
+
 
 def moe_stats(model: nn.Module) -> list[MoEStats]:
     """The last forward's stats of every MoE layer in ``model``, in order."""

@@ -206,3 +206,54 @@ def test_ep_four_ranks_equals_single_process(top_k, cf):
     res = _compare_ep(4, 8, top_k, cf)
     if cf is not None:
         assert sum(r["dropped"] for r in res) > 0
+
+
+# --------------------------------------------------------------------------- in the course GPT
+
+def _gpt_ep_rank():
+    from helpers.model import build_model
+    from helpers.moe import apply_ep
+    r = rank_info()
+    idx = torch.randint(0, 64, (2 * r.world_size, 16), generator=torch.Generator().manual_seed(3))
+    mine = idx.chunk(r.world_size)[r.rank]
+    model = apply_ep(build_model("toy", moe_every=2, n_layer=2, n_expert=4, moe_top_k=2).double(),
+                     dist.group.WORLD)
+    logits, loss = model(mine, mine)
+    (loss / r.world_size).backward()   # the global mean loss is the mean of equal-sized ranks'
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if ".experts." not in name:
+            dist.all_reduce(g)         # replicated: DP's gradient sum
+        grads[name] = g
+    return logits.detach(), grads, model.blocks[1].mlp.expert_ids
+
+
+def test_gpt_moe_switch_and_ep_equal_single_process():
+    from helpers.model import build_model
+    dense = build_model("toy")
+    sparse = build_model("toy", moe_every=2, n_layer=2, n_expert=4)
+    assert type(sparse.blocks[0].mlp).__name__ == "MLP"            # block 0 stays dense
+    assert isinstance(sparse.blocks[1].mlp, MoELayer)               # every 2nd block is MoE
+    assert sum(p.numel() for p in sparse.parameters()) == sparse.config.n_params()
+    assert sparse.config.n_params() > dense.config.n_params()
+    with pytest.raises(ValueError, match="top_k=3 is larger than num_experts=2"):
+        build_model("toy", moe_every=1, n_expert=2, moe_top_k=3)
+
+    res = launch(_gpt_ep_rank, 2)
+    model = build_model("toy", moe_every=2, n_layer=2, n_expert=4, moe_top_k=2).double()
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+    logits, loss = model(idx, idx)
+    loss.backward()
+    _close(torch.cat([r[0] for r in res]), logits.detach(), "GPT logits")
+    for logits_r, grads, ids in res:
+        for name, p in model.named_parameters():
+            if ".experts." in name:   # rank-local index j -> global expert ids[j]
+                head, rest = name.split(".experts.")
+                j, tail = rest.split(".", 1)
+                name_r = f"{head}.experts.{ids.index(int(j))}.{tail}" if int(j) in ids else None
+                if name_r is None:
+                    continue
+                _close(grads[name_r], p.grad, name)
+            else:
+                _close(grads[name], p.grad, name)
