@@ -71,6 +71,9 @@ loop over experts; DeepSeek-V3 routes with sigmoid scores and bias-based
 balancing instead of an aux loss. Here all E experts are built (same seed on
 every rank) and the non-local ones discarded, which wastes memory at init
 but makes the EP layer start from exactly the single-process weights.
+In the course GPT (``GPTConfig.moe_every``) experts always have biases and no
+dropout, whatever the config says for the dense MLPs; ``apply_ep(model,
+group)`` splits every MoE layer's experts over a group.
 """
 
 from __future__ import annotations
