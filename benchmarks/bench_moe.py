@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     from helpers.moe import MoEConfig, MoELayer
     MoEConfig(args.hidden, 4 * args.hidden, args.experts, args.top_k, None, args.world)
 
+    # the single process gets the threads of one rank (launch gives each cores // world),
+    # so the ratio compares the same compute resources per process
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     torch.manual_seed(0)
     single = MoELayer(args.hidden, 4 * args.hidden, args.experts, top_k=args.top_k)
     x = torch.randn(args.world * args.tokens, args.hidden, requires_grad=True)
