@@ -46,6 +46,13 @@ class GPTConfig:
     dropout: float = 0.0       # 0 keeps reference comparisons exact; ch. 13 turns it on
     bias: bool = True
     attention: str = "manual"  # "manual" (every step visible) or "sdpa" (fused)
+    # Mixture of experts (ch. 21, helpers.moe): every moe_every-th block's MLP
+    # (blocks moe_every-1, 2*moe_every-1, ...) becomes an MoE layer; 0 = dense.
+    # Switch Transformer uses moe_every=2 (Fedus et al. 2021, sec. 2.4 / App. A).
+    moe_every: int = 0
+    n_expert: int = 4
+    moe_top_k: int = 1
+    moe_capacity_factor: float | None = None  # None: no token dropped
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -59,6 +66,16 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
+        if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) \
+                or self.moe_every < 0:
+            raise ValueError(f"moe_every must be an int >= 0 (0: dense), got {self.moe_every!r}")
+        if self.moe_every:
+            from helpers.moe import MoEConfig  # validates experts, top_k, capacity factor
+            MoEConfig(self.n_embd, self.mlp_ratio * self.n_embd, self.n_expert, self.moe_top_k,
+                      self.moe_capacity_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -78,7 +95,10 @@ class GPTConfig:
         attn = h * 3 * h + b * 3 * h + h * h + b * h
         mlp = h * f + b * f + f * h + b * h
         norms = 2 * (h + b * h)
-        return v * h + self.block_size * h + L * (attn + mlp + norms) + (h + b * h)
+        n_moe = sum(self.is_moe_layer(i) for i in range(L))
+        moe = self.n_expert * (h * f + f + f * h + h) + h * self.n_expert  # experts + router
+        return (v * h + self.block_size * h + L * (attn + norms) + (L - n_moe) * mlp
+                + n_moe * moe + (h + b * h))
 
 
 # Named sizes. "toy" and "tiny" run on a laptop CPU; the GPT-2 ones are for GPU
@@ -144,16 +164,24 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(layer_idx):
+            from helpers.moe import MoELayer
+            self.mlp = MoELayer(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.n_expert,
+                                cfg.moe_top_k, cfg.moe_capacity_factor)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        m = self.mlp(self.ln_2(x))
+        if isinstance(m, tuple):  # an MoE layer also returns its stats (kept in .last_stats)
+            m = m[0]
+        return x + m  # a token dropped by every expert passes through unchanged
 
 
 class GPT(nn.Module):
@@ -163,7 +191,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # token embedding, shared with head
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)  # learned positions
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one tensor, two uses

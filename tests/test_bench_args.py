@@ -17,6 +17,10 @@ CASES = [
     ("bench_recompute", ["--steps", "0"], "--steps must be >= 1"),
     ("bench_fp8", ["--sizes", "100"], "--sizes must be multiples of 16"),
     ("bench_fp8", ["--reps", "0"], "--reps must be >= 1"),
+    ("bench_moe", ["--world", "1"], "--world must be >= 2"),
+    ("bench_moe", ["--steps", "1"], "--steps must be >= 2"),
+    ("bench_moe", ["--experts", "6", "--world", "4"], "6 experts do not divide"),
+    ("bench_moe", ["--top-k", "9"], "top_k=9 is larger than num_experts=8"),
 ]
 
 

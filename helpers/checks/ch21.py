@@ -1,0 +1,140 @@
+"""Checks for chapter 21: top-k routing with capacity, the EP dispatch, the combine.
+
+Learner contracts:
+
+* ``route_top_k(logits, k, capacity) -> (gates, experts, keep)``: logits
+  (T, E); probabilities by softmax; the k largest per token (best first);
+  gates = the probability for k = 1, renormalized over the k for k > 1;
+  ``keep`` (T, k) bool: each expert takes at most ``capacity`` choices, first
+  choices of all tokens before any second choice, each in token order
+  (``capacity`` None: keep all). Reference: ``helpers.moe.route`` +
+  ``capacity_keep``.
+* ``dispatch(rows, counts, group) -> (received, recv_counts)`` on every rank:
+  ``rows`` (N, H) sorted by expert, ``counts`` (E,) rows per expert. Rank q
+  owns experts [q E/P, (q+1) E/P). Exchange the counts first (each rank must
+  learn ``recv_counts`` (P, E/P): rows rank q sends to each of my experts),
+  then ``dist.all_to_all_single`` the rows. ``received`` is ordered by source
+  rank, then by expert.
+* ``combine(expert_out, token_ids, gates, num_tokens) -> y``: expert_out
+  (N, H) results of the kept choices, token_ids (N,) and gates (N,) of each;
+  y (num_tokens, H) = sum over a token's choices of gate * output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.checks import CheckFailed, attempt, on_ranks, passed
+
+# (T, E, k, capacity, seed)
+ROUTE_CASES = [(6, 4, 1, None, 0), (6, 4, 2, None, 1), (16, 4, 1, 3, 2), (16, 4, 2, 5, 3),
+               (12, 3, 2, 4, 4), (10, 5, 3, 4, 5)]
+
+
+def _ref_route(logits, k, capacity):
+    from helpers.moe import capacity_keep, route
+    _, gates, experts = route(logits, k)
+    return gates, experts, capacity_keep(experts, logits.size(1), capacity)
+
+
+def check_route_top_k(route_top_k) -> None:
+    for T, E, k, cap, seed in ROUTE_CASES:
+        logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
+        want_g, want_e, want_keep = _ref_route(logits, k, cap)
+        got = attempt(route_top_k, logits.clone(), k, cap, what="route_top_k")
+        if not (isinstance(got, tuple) and len(got) == 3):
+            raise CheckFailed("route_top_k must return (gates, experts, keep)")
+        g, e, keep = (torch.as_tensor(t) for t in got)
+        case = f"(T={T}, E={E}, k={k}, capacity={cap})"
+        if tuple(e.shape) != (T, k) or not torch.equal(e.long(), want_e):
+            raise CheckFailed(f"experts differ for {case}: expected the k most probable "
+                              f"per token, best first")
+        # fp32 softmax and a division: a few ulps of values <= 1
+        if tuple(g.shape) != (T, k) or (g.float() - want_g).abs().max() > 1e-6:
+            hint = ""
+            p = torch.softmax(logits, -1).gather(1, want_e)
+            if k > 1 and (g.float() - p).abs().max() <= 1e-6:
+                hint = " For k > 1 renormalize the chosen probabilities to sum to 1 (GShard)."
+            elif k == 1 and (g.float() - 1).abs().max() <= 1e-6:
+                hint = (" For k = 1 keep the raw probability (Switch): a gate of 1 gives "
+                        "the router no gradient.")
+            raise CheckFailed(f"gates differ for {case}.{hint}")
+        if tuple(keep.shape) != (T, k) or not torch.equal(keep.bool(), want_keep):
+            hint = ""
+            if cap is not None and keep.bool().sum() == want_keep.sum():
+                hint = (" The count is right but not which choices: every token's first "
+                        "choice gets a slot before any second choice, in token order.")
+            raise CheckFailed(f"kept choices differ for {case} (expected "
+                              f"{int(want_keep.sum())} kept of {T * k}).{hint}")
+    passed("routing right: top-1 raw gates, top-k renormalized, capacity first choices first")
+
+
+def _dispatch_rank(dispatch, E, H):
+    import torch.distributed as dist
+
+    from helpers import rank_info
+    from helpers.moe import exchange_splits
+    r = rank_info()
+    g = torch.Generator().manual_seed(10 + r.rank)
+    # uneven on purpose: what a rank sends differs from what it receives
+    counts = torch.randint(0, 4, (E,), generator=g) + torch.arange(E) * (r.rank + 1) % 5
+    rows = torch.randn(int(counts.sum()), H, generator=g)
+    want_counts = exchange_splits(counts.clone())
+    P, El = r.world_size, E // r.world_size
+    want = torch.empty(int(want_counts.sum()), H)
+    dist.all_to_all_single(want, rows, want_counts.sum(1).tolist(),
+                           counts.view(P, El).sum(1).tolist())
+    got = dispatch(rows.clone(), counts.clone(), dist.group.WORLD)
+    return dict(got=got, want=want, want_counts=want_counts)
+
+
+def check_dispatch(dispatch) -> None:
+    E, H, P = 4, 3, 2
+    probe_rows = torch.zeros(0, H)
+    res = on_ranks(_dispatch_rank, P, dispatch, E, H, what="dispatch",
+                   probe=lambda: dispatch(probe_rows, torch.zeros(E, dtype=torch.long), None),
+                   hints={"SIGABRT": "gloo aborts when an all-to-all receives more or fewer "
+                          "bytes than the sender sends. Exchange the counts first and size "
+                          "each receive from what that rank sends you, not from what you send.",
+                          "split": "exchange the counts first: the receive sizes are the "
+                          "other ranks' send sizes."}, timeout=30)
+    for r, out in enumerate(res):
+        got = out["got"]
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise CheckFailed("dispatch must return (received, recv_counts)")
+        received, recv_counts = got
+        if not torch.equal(torch.as_tensor(recv_counts).reshape(out["want_counts"].shape).long(),
+                           out["want_counts"]):
+            raise CheckFailed(f"rank {r}: recv_counts {torch.as_tensor(recv_counts).tolist()}, "
+                              f"expected {out['want_counts'].tolist()}: row q is what rank q "
+                              f"sends to each of my experts. Exchange the counts first.")
+        # the same floats moved, not computed: exact equality
+        if tuple(received.shape) != tuple(out["want"].shape) or \
+                not torch.equal(received, out["want"]):
+            raise CheckFailed(f"rank {r}: received rows differ (shape {tuple(received.shape)}, "
+                              f"expected {tuple(out['want'].shape)}). Split the send by "
+                              f"destination rank (E/P experts each) and size the receive "
+                              f"from the exchanged counts.")
+    passed("dispatch right: counts exchanged first, variable-split all-to-all on 2 ranks")
+
+
+def check_combine(combine) -> None:
+    g = torch.Generator().manual_seed(7)
+    T, H, k = 6, 4, 2
+    token_ids = torch.arange(T).repeat_interleave(k)[torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11])]
+    N = token_ids.numel()   # some second choices dropped: tokens 1, 3 (index 3, 6), 5 (index 10)
+    out = torch.randn(N, H, generator=g)
+    gates = torch.rand(N, generator=g)
+    order = torch.randperm(N, generator=g)   # rows come back sorted by expert, not by token
+    out, token_ids, gates = out[order], token_ids[order], gates[order]
+    want = torch.zeros(T, H).index_add_(0, token_ids, out * gates.unsqueeze(1))
+    got = attempt(combine, out.clone(), token_ids.clone(), gates.clone(), T, what="combine")
+    got = torch.as_tensor(got)
+    # at most k = 2 products summed per token: a few fp32 ulps of values below ~10
+    if tuple(got.shape) != (T, H) or (got - want).abs().max() > 1e-5:
+        hint = ""
+        plain = torch.zeros(T, H).index_add_(0, token_ids, out)
+        if got.shape == plain.shape and (got - plain).abs().max() <= 1e-5:
+            hint = " That is the plain sum: multiply each expert's output by its gate."
+        raise CheckFailed(f"combine differs from sum over choices of gate * output.{hint}")
+    passed("combine right: gate-weighted sum per token, dropped choices contribute nothing")

@@ -1,0 +1,87 @@
+"""Chapter 21's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from helpers.checks import CheckFailed, ch21
+from tools.nbtool import exercise
+
+LAB, SOL = "labs/21_expert_parallelism.ipynb", "solutions/21_expert_parallelism.ipynb"
+
+
+@pytest.mark.parametrize("name, check", [
+    ("route_top_k", ch21.check_route_top_k),
+    ("dispatch", ch21.check_dispatch),
+    ("combine", ch21.check_combine),
+])
+def test_solution_passes_and_stub_fails(name, check, capsys):
+    check(exercise(SOL, name))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="not implemented"):
+        check(exercise(LAB, name))
+
+
+def _route(logits, k, capacity, renorm=True, token_major=False):
+    probs = F.softmax(logits.float(), dim=-1)
+    top_p, experts = probs.topk(k, dim=-1)
+    gates = top_p / top_p.sum(-1, keepdim=True) if renorm and k > 1 else top_p
+    if capacity is None:
+        return gates, experts, torch.ones_like(experts, dtype=torch.bool)
+    T, E = logits.shape
+    order = experts.reshape(-1) if token_major else experts.t().reshape(-1)
+    one_hot = F.one_hot(order, E)
+    keep = ((one_hot.cumsum(0) * one_hot).sum(-1) - 1) < capacity
+    return gates, experts, keep.reshape(T, k) if token_major else keep.reshape(k, T).t()
+
+
+def test_route_mistakes_fail():
+    with pytest.raises(CheckFailed, match="renormalize"):
+        ch21.check_route_top_k(lambda lg, k, c: _route(lg, k, c, renorm=False))
+    with pytest.raises(CheckFailed, match="first choice"):   # token 0's 2nd before token 1's 1st
+        ch21.check_route_top_k(lambda lg, k, c: _route(lg, k, c, token_major=True))
+    with pytest.raises(CheckFailed, match="raw probability"):  # top-1 renormalized: gate 1
+        ch21.check_route_top_k(
+            lambda lg, k, c: (torch.ones(lg.size(0), k),) + _route(lg, k, c)[1:])
+
+
+def test_dispatch_without_split_exchange_fails():
+    def no_exchange(rows, counts, group):
+        # assumes every rank receives what it sends: the receive sizes are guessed
+        P = dist.get_world_size(group)
+        send = counts.view(P, -1).sum(1).tolist()
+        received = rows.new_empty(sum(send), rows.size(1))
+        dist.all_to_all_single(received, rows, send, send, group=group)
+        return received, counts.view(P, -1)
+
+    with pytest.raises(CheckFailed, match="Exchange the counts first"):
+        ch21.check_dispatch(no_exchange)
+
+    def equal_splits(rows, counts, group):  # exchanges counts but ignores them for the rows
+        P = dist.get_world_size(group)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)
+        n = rows.size(0) - rows.size(0) % P
+        received = torch.empty_like(rows[:n])
+        dist.all_to_all_single(received, rows[:n].contiguous(), group=group)
+        return received, recv_counts.view(P, -1)
+
+    with pytest.raises(CheckFailed, match="Exchange the counts first|received rows differ"):
+        ch21.check_dispatch(equal_splits)
+
+
+def test_combine_without_gates_fails():
+    def no_gates(out, token_ids, gates, T):
+        return out.new_zeros(T, out.size(1)).index_add_(0, token_ids, out)
+
+    with pytest.raises(CheckFailed, match="plain sum"):
+        ch21.check_combine(no_gates)
+
+    def overwrite(out, token_ids, gates, T):  # assignment keeps only one choice per token
+        y = out.new_zeros(T, out.size(1))
+        y[token_ids] = out * gates.unsqueeze(1)
+        return y
+
+    with pytest.raises(CheckFailed):
+        ch21.check_combine(overwrite)
