@@ -191,10 +191,10 @@ def training_state(model, optimizer, *, step: int, sampler=None, scheduler=None,
     return state
 
 
-def resume_request(model, optimizer, **parts) -> dict:
+def resume_request(model, optimizer, rng: bool = True, **parts) -> dict:
     """The ``like=`` template for ``load_latest``: the current state, with ZeRO's
     Shards replaced by the ranges this rank needs (any world size)."""
-    state = training_state(model, optimizer, step=0, **parts)
+    state = training_state(model, optimizer, step=0, rng=rng, **parts)
     if _is_zero(optimizer):
         state["zero"] = zero_request(optimizer)
     return state

@@ -11,7 +11,12 @@ used, and the final full weights.
 saved), to show what goes wrong without them: ``"rng"`` (dropout masks redrawn
 from the launch's seed), ``"sampler"`` (data order restarted at the beginning
 of the epoch). ``crash`` = (step, rank): that rank SIGKILLs itself right
-after finishing that step, the way a GPU falling off the bus ends a process.
+after finishing that step, the way a GPU falling off the bus ends a process;
+``crash_in_save`` = (step, rank): the same in the middle of that step's save,
+once its own file is written and before the manifest. ``extras`` =
+(capture, restore): the lab's own ``capture(sampler) -> dict`` and
+``restore(state, sampler)`` replace the built-in handling of the sampler
+position and the RNG streams.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ def _check(steps, save_every, optimizer, forget, crash) -> None:
 def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer: str = "ddp",
                   dropout: float = 0.1, forget: tuple = (), crash: tuple | None = None,
                   global_batch: int = 8, seq_len: int = 16, lr: float = 1e-2,
-                  async_save: bool = False, keep: int | None = None) -> dict:
+                  async_save: bool = False, keep: int | None = None,
+                  crash_in_save: tuple | None = None, extras=None) -> dict:
     """Train (resuming if possible) to ``steps``; see the module docstring.
 
     Returns {"start": step resumed from, "losses": {step: global mean loss},
@@ -79,14 +85,18 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
         from helpers.zero import ZeroOptimizer
         wrapped = model
         opt = ZeroOptimizer(model, stage=2, lr=lr)
-    parts = {"sampler": sampler, "scheduler": scheduler}
-    loaded = load_latest(directory, like=resume_request(model, opt, **parts))
+    # With the lab's extras, its two functions handle the sampler and the RNGs.
+    parts = {"sampler": None if extras else sampler, "scheduler": scheduler}
+    rng = extras is None
+    loaded = load_latest(directory, like=resume_request(model, opt, rng=rng, **parts))
     start = 0
     if loaded.state is not None:
         state = dict(loaded.state)
         for part in forget:
             state.pop(part, None)
         start = restore_training_state(state, model, opt, **parts)
+        if extras:
+            extras[1](state["extras"], sampler)
 
     saver = AsyncSaver(keep=keep) if async_save else None
     losses, samples = {}, {}
@@ -102,11 +112,14 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
         losses[step + 1] = _global_mean(loss.detach())
         samples[step + 1] = _gather_indices(idx)
         if (step + 1) % save_every == 0:
-            state = training_state(model, opt, step=step + 1, **parts)
+            state = training_state(model, opt, step=step + 1, rng=rng, **parts)
+            if extras:
+                state["extras"] = extras[0](sampler)
             if saver is not None:
                 saver.save(directory, state, step + 1)
             else:
-                save(directory, state, step + 1, keep=keep)
+                save(directory, state, step + 1, keep=keep,
+                     on_written=_killer(crash_in_save, step + 1, info.rank))
         if crash is not None and crash == (step + 1, info.rank):
             if saver is not None:
                 saver.wait()
@@ -117,6 +130,13 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
         {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"start": start, "losses": losses, "samples": samples, "params": full,
             "skipped": loaded.skipped}
+
+
+def _killer(crash_in_save, step: int, rank: int):
+    """on_written hook: SIGKILL this rank once its file of that step is on disk."""
+    if crash_in_save is None or tuple(crash_in_save) != (step, rank):
+        return None
+    return lambda path: os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _global_mean(loss: torch.Tensor) -> float:
