@@ -191,6 +191,23 @@ def test_flipped_byte_is_caught_by_the_checksum(tmp_path):
         assert skipped[0].endswith("(rank 1)")
 
 
+def test_torchrun_restarts_after_a_kill_mid_save_and_resumes_bitwise(tmp_path):
+    """torchrun --standalone --nproc_per_node=2 --max-restarts=2 on CPU: rank 1 is
+    SIGKILLed inside the step-4 save on the first attempt; the restarted group
+    resumes from step 2 and ends with the uninterrupted run's weights."""
+    from helpers.checkpoint.job import run_torchrun
+    reference = launch(resumable_run, 2, str(tmp_path / "ref"), 6, save_every=100)[0]
+    # bounded: two attempts of a 6-step toy job take seconds; 240 s only under heavy load
+    job = run_torchrun(str(tmp_path / "ckpt"), str(tmp_path / "result.pt"), steps=6,
+                       kill_in_save="4:1", timeout=240)
+    assert job["returncode"] == 0, job["log"][-3000:]
+    r = job["result"]
+    assert (r["attempt"], r["start"]) == (1, 2)
+    assert r["skipped"] == ["step00000004.partial: partial save (no manifest.json; never "
+                            "renamed into place)"]
+    assert _same_params(reference["params"], r["params"])
+
+
 # --------------------------------------------------------------------------
 # Resharding ZeRO-2 shards: 4 -> 2 and 2 -> 3 ranks load the same full state.
 # --------------------------------------------------------------------------
@@ -239,6 +256,41 @@ def _full(states: list[dict]) -> dict:
     return out
 
 
+def _fsdp2_save(directory):
+    from helpers.checkpoint.dcp import dcp_save, fsdp2_job, fsdp2_state, full_state
+    from helpers.data import make_dataset
+    model, opt = fsdp2_job()
+    data = make_dataset(seq_len=16, num_sequences=64)
+    r = rank_info()
+    b = 8 // r.world_size
+    for s in range(2):  # two steps, so Adam's moments and step count are not trivial
+        x, y = data.batch(range(s * 8 + r.rank * b, s * 8 + (r.rank + 1) * b))
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    dcp_save(os.path.join(directory, "dcp"), model, opt)
+    save(os.path.join(directory, "ours"), fsdp2_state(model, opt), 2)
+    return full_state(model, opt)
+
+
+def _fsdp2_load(directory):
+    from helpers.checkpoint.dcp import (dcp_load, fsdp2_job, fsdp2_request, full_state,
+                                        load_fsdp2_state)
+    model, opt = fsdp2_job(seed=5)  # other weights: the loads must overwrite them
+    dcp_load(os.path.join(directory, "dcp"), model, opt)
+    via_dcp = full_state(model, opt)
+    model, opt = fsdp2_job(seed=6)
+    got = load_latest(os.path.join(directory, "ours"), like=fsdp2_request(model, opt))
+    load_fsdp2_state(model, opt, got.state)
+    return via_dcp, full_state(model, opt)
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}/{key}").items()}
+    return {prefix: tree} if isinstance(tree, torch.Tensor) else {}
+
+
 def test_reshard_4_to_2_and_2_to_3_same_full_state_same_loss_curve(tmp_path):
     """ZeRO-2 shards saved by 2 and 4 ranks load on 3 and 2 ranks as the exact
     same full state (weights, both moments); and a run moved from 4 to 2 ranks
@@ -247,7 +299,9 @@ def test_reshard_4_to_2_and_2_to_3_same_full_state_same_loss_curve(tmp_path):
     The loss curves: same data (the global batch is fixed), same weights and
     moments at step 3; what differs is only the order of additions: per-rank
     mean losses over 32 vs 64 tokens and an all-reduce over 4 vs 2 partial
-    gradients. (Launch sizes ordered 2, 4, 2, 3 so pools are reused.)"""
+    gradients. And PyTorch's DCP next to ours on an FSDP2 job: saved on 4 ranks,
+    loaded on 2, the same full state. (Launch sizes ordered 2, 4, 2, 3 so pools
+    are reused.)"""
     two, four = str(tmp_path / "two"), str(tmp_path / "four")
     kw = dict(optimizer="zero2", dropout=0.0)
     saved2 = _full(launch(_zero_train_and_save, 2, two))
@@ -255,9 +309,20 @@ def test_reshard_4_to_2_and_2_to_3_same_full_state_same_loss_curve(tmp_path):
     steady = launch(resumable_run, 4, str(tmp_path / "a"), 6, **kw)[0]
     d = str(tmp_path / "b")
     launch(resumable_run, 4, d, 3, save_every=3, **kw)
+    fsdp2 = str(tmp_path / "fsdp2")
+    fsdp2_saved = launch(_fsdp2_save, 4, fsdp2)[0]
     on2 = _full(launch(_zero_load, 2, four))
     moved = launch(resumable_run, 2, d, 6, **kw)[0]
+    via_dcp, via_ours = launch(_fsdp2_load, 2, fsdp2)[0]
     on3 = _full(launch(_zero_load, 3, two))
+
+    # PyTorch's DCP and ours, same FSDP2 state saved on 4 ranks, loaded on 2:
+    # both give back every tensor exactly (no arithmetic, only copies).
+    want, a, b = _flat(fsdp2_saved), _flat(via_dcp), _flat(via_ours)
+    assert len(want) > 100 and want.keys() == a.keys() == b.keys()
+    for k in want:
+        assert torch.equal(want[k], a[k]) and torch.equal(want[k], b[k]), k
+
     for saved, loaded in ((saved4, on2), (saved2, on3)):
         assert saved.keys() == loaded.keys()
         for k in saved:

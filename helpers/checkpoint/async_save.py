@@ -12,7 +12,8 @@ the commit), so it gets a process group of its own, made once by the
 constructor on every rank: collectives on the training group and on this one
 may then run at the same time from two threads without mixing.
 
-Costs: a second copy of the state in CPU memory while a save is in flight, and
+Costs: a second copy of the state in CPU memory (kept between saves and
+reused: the first save pays for allocating it, later ones only copy), and
 at most one save in flight (``save`` first waits for the previous one). A
 checkpoint counts only once ``wait()`` (or the next ``save``) returned: a job
 killed before that resumes from the previous checkpoint.
@@ -37,16 +38,29 @@ from helpers.checkpoint.store import Shard, serialize, write_checkpoint
 __all__ = ["AsyncSaver", "snapshot"]
 
 
-def snapshot(tree: Any) -> Any:
-    """A copy of ``tree`` whose tensors own fresh CPU memory."""
+def snapshot(tree: Any, into: Any = None) -> Any:
+    """A copy of ``tree`` whose tensors live in CPU memory of their own.
+
+    ``into``: an earlier snapshot of a tree of the same structure; its tensors
+    are reused where shape and dtype match (a copy into memory that is already
+    mapped costs no page faults; DCP's ``async_save`` keeps its pinned staging
+    buffers the same way)."""
     if isinstance(tree, Shard):
-        return Shard(snapshot(tree.data), tree.global_shape, tree.offset)
+        return Shard(snapshot(tree.data, getattr(into, "data", None)), tree.global_shape,
+                     tree.offset)
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        src = tree.detach()
+        if isinstance(into, torch.Tensor) and into.shape == src.shape \
+                and into.dtype == src.dtype:
+            return into.copy_(src)
+        return src.to("cpu", copy=True)
     if isinstance(tree, dict):
-        return {k: snapshot(v) for k, v in tree.items()}
+        into = into if isinstance(into, dict) else {}
+        return {k: snapshot(v, into.get(k)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(snapshot(v) for v in tree)
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(tree) \
+            else [None] * len(tree)
+        return type(tree)(snapshot(v, b) for v, b in zip(tree, into))
     return tree
 
 
@@ -62,6 +76,7 @@ class AsyncSaver:
         self.group = dist.new_group(backend="gloo") if on else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: Any = None  # the last snapshot, reused by the next save
         self.last_stall_s = 0.0   # training-thread time of the last save()
         self.last_write_s = 0.0   # background time of the last completed save
 
@@ -69,7 +84,7 @@ class AsyncSaver:
         """Snapshot ``state`` and write it in the background; returns the stall in seconds."""
         self.wait()
         t0 = time.perf_counter()
-        copy = snapshot(state)
+        copy = self._staging = snapshot(state, into=self._staging)
         self.last_stall_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write, args=(directory, copy, step),
                                         name=f"checkpoint-step{step}", daemon=True)

@@ -57,7 +57,7 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
                   dropout: float = 0.1, forget: tuple = (), crash: tuple | None = None,
                   global_batch: int = 8, seq_len: int = 16, lr: float = 1e-2,
                   async_save: bool = False, keep: int | None = None,
-                  crash_in_save: tuple | None = None, extras=None) -> dict:
+                  crash_in_save: tuple | None = None, extras=None, size: str = "toy") -> dict:
     """Train (resuming if possible) to ``steps``; see the module docstring.
 
     Returns {"start": step resumed from, "losses": {step: global mean loss},
@@ -70,8 +70,8 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
     if global_batch % info.world_size:
         raise ValueError(f"global batch {global_batch} does not split over "
                          f"{info.world_size} ranks")
-    data = make_dataset(seq_len=seq_len, num_sequences=128)
-    model = build_model("toy", dropout=dropout)
+    model = build_model(size, dropout=dropout)
+    data = make_dataset(vocab_size=model.config.vocab_size, seq_len=seq_len, num_sequences=128)
     sampler = ShardedSampler(len(data), global_batch // info.world_size, info.rank,
                              info.world_size, seed=1)
     scheduler = None
