@@ -17,6 +17,9 @@ CASES = [
     ("bench_recompute", ["--steps", "0"], "--steps must be >= 1"),
     ("bench_fp8", ["--sizes", "100"], "--sizes must be multiples of 16"),
     ("bench_fp8", ["--reps", "0"], "--reps must be >= 1"),
+    ("bench_checkpoint", ["--size", "huge"], "--size must be one of"),
+    ("bench_checkpoint", ["--world", "1"], "--world must be >= 2"),
+    ("bench_checkpoint", ["--reps", "0"], "--reps must be >= 1"),
 ]
 
 

@@ -24,6 +24,11 @@ The pieces, one module each:
   memory and writes in a background thread.
 * ``failures``: job MTBF from per-GPU failure rates, the Young/Daly optimal
   interval, goodput, and a replay of random failures to check them.
+* ``train``: the chapter's resumable training loop (DDP or ZeRO-2), which can
+  kill one of its ranks at a chosen step or in the middle of a save;
+  ``job``: the same loop as a ``torchrun --max-restarts`` job.
+* ``dcp``: the production twin, PyTorch's ``torch.distributed.checkpoint``
+  on an FSDP2 job, and a bridge from its DTensors to our Shards.
 
 Cost: a checkpoint of a mixed-precision Adam run is about 12-16 bytes per
 parameter (fp32 weights and two moments, ``helpers.memory``), written by
