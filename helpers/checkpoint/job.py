@@ -71,6 +71,7 @@ def main(argv=None) -> None:
     if args.kill_in_save and attempt == 0:
         crash = tuple(int(v) for v in args.kill_in_save.split(":"))
     world = int(os.environ["WORLD_SIZE"])
+    _init_group(attempt, world)
     res = launch(resumable_run, world, args.directory, args.steps, crash_in_save=crash,
                  timeout=60)
     if int(os.environ["RANK"]) == 0:
@@ -79,6 +80,26 @@ def main(argv=None) -> None:
               + "".join(f"; skipped {s}" for s in r["skipped"]), flush=True)
         torch.save({"attempt": attempt, "start": r["start"], "params": r["params"],
                     "losses": r["losses"], "skipped": r["skipped"]}, args.result)
+    import torch.distributed as dist
+    dist.barrier()  # no rank tears down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def _init_group(attempt: int, world: int) -> None:
+    """The gloo group on the agent's store, under a key prefix of its own per attempt.
+
+    Without the prefix a restarted rank could read the address that the killed
+    attempt's rank 0 published (seen: "connectFullMesh ... Connection refused",
+    and the restart failed again); each attempt's ranks now rendezvous only
+    with each other."""
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"course-attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
 
 
 if __name__ == "__main__":
