@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers.checks import CheckFailed, ch21
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/21_expert_parallelism.ipynb", "solutions/21_expert_parallelism.ipynb"
+LAB, SOL = "labs/21_expert_parallelism_lab.ipynb", "solutions/21_expert_parallelism_solution.ipynb"
 
 
 @pytest.mark.parametrize("name, check", [

@@ -1,0 +1,113 @@
+"""The production twin: PyTorch's ``torch.distributed.checkpoint`` (DCP) on an FSDP2 job.
+
+FSDP2 (``fully_shard``) keeps every parameter, and AdamW every moment, as a
+DTensor sharded along dim 0: rank r holds rows ``[r c, (r+1) c)`` with
+``c = ceil(rows / N)`` (``torch.chunk``'s rule). DCP saves such a state with
+``dcp.save``: one ``__r_0.distcp`` file per rank plus a ``.metadata`` file that
+lists every chunk (offsets and sizes per dimension); ``dcp.load`` into a job of
+another size reads, for each local chunk, the overlapping saved chunks:
+resharding, as ``helpers.checkpoint`` does with its flat ranges.
+
+``fsdp2_state`` turns the same DTensors into our ``Shard``s (dim-0 rows are a
+contiguous flat range), so one FSDP2 state can be written by both and the
+restored tensors compared element for element.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from helpers.checkpoint.store import Shard
+
+__all__ = ["fsdp2_job", "dcp_save", "dcp_load", "fsdp2_state", "fsdp2_request",
+           "load_fsdp2_state", "full_state"]
+
+
+def fsdp2_job(lr: float = 1e-2, seed: int = 0):
+    """The toy GPT under FSDP2 with AdamW (weights from ``seed``, same on every rank)."""
+    from helpers.fsdp import torch_fsdp2
+    from helpers.model import build_model
+    model = torch_fsdp2(build_model("toy", seed=seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    return model, opt
+
+
+def dcp_save(directory: str, model, opt) -> None:
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=directory)
+
+
+def dcp_load(directory: str, model, opt) -> None:
+    model_sd, opt_sd = get_state_dict(model, opt)  # DTensors of *this* job's layout
+    state = {"model": model_sd, "optim": opt_sd}
+    dcp.load(state, checkpoint_id=directory)       # filled in place, resharded
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _rows(dt) -> tuple[int, int]:
+    """[lo, hi) rows of dim 0 this rank holds of a DTensor sharded Shard(0) (torch.chunk)."""
+    n, rank = dt.device_mesh.size(), dt.device_mesh.get_local_rank()
+    rows = dt.shape[0]
+    c = -(-rows // n)
+    return min(rank * c, rows), min((rank + 1) * c, rows)
+
+
+def _as_shard(dt) -> Shard:
+    from torch.distributed.tensor import Shard as Dim
+    if dt.placements != (Dim(0),):
+        raise ValueError(f"expected a DTensor sharded on dim 0, got {dt.placements}")
+    lo, hi = _rows(dt)
+    row = dt[0].numel() if dt.dim() > 1 else 1  # elements per row
+    local = dt.to_local().reshape(-1)
+    return Shard(local[:(hi - lo) * row], tuple(dt.shape), lo * row)
+
+
+def _walk(tree, fn):
+    from torch.distributed.tensor import DTensor
+    if isinstance(tree, DTensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _walk(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_walk(v, fn) for v in tree)
+    return tree
+
+
+def fsdp2_state(model, opt) -> dict:
+    """The FSDP2 job's state, DTensors as our Shards (for ``helpers.checkpoint.save``)."""
+    model_sd, opt_sd = get_state_dict(model, opt)
+    return {"model": _walk(model_sd, _as_shard), "optim": _walk(opt_sd, _as_shard)}
+
+
+def fsdp2_request(model, opt) -> dict:
+    """The ``like=`` template: this job's Shards (any world size)."""
+    return fsdp2_state(model, opt)
+
+
+def load_fsdp2_state(model, opt, state: dict) -> None:
+    """Copy loaded Shards into this job's DTensors, then hand them to the model and optimizer."""
+    model_sd, opt_sd = get_state_dict(model, opt)
+    cur = {"model": model_sd, "optim": opt_sd}
+
+    def put(dst, src):
+        from torch.distributed.tensor import DTensor
+        if isinstance(dst, DTensor):
+            local = dst.to_local().reshape(-1)
+            local[:src.data.numel()].copy_(src.data)
+            return dst
+        if isinstance(dst, dict):
+            return {k: put(v, src[k]) for k, v in dst.items()}
+        return src if not isinstance(dst, (list, tuple)) else type(dst)(
+            put(a, b) for a, b in zip(dst, src))
+
+    filled = put(cur, state)
+    set_state_dict(model, opt, model_state_dict=filled["model"], optim_state_dict=filled["optim"])
+
+
+def full_state(model, opt) -> dict:
+    """Every tensor of the job's state, full (DTensors gathered). Collective."""
+    model_sd, opt_sd = get_state_dict(model, opt)
+    return _walk({"model": model_sd, "optim": opt_sd}, lambda dt: dt.full_tensor())

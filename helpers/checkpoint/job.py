@@ -1,0 +1,106 @@
+"""A training job for ``torchrun``, and a bounded way to run it from a notebook or test.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 --max-restarts=2 \\
+        -m helpers.checkpoint.job CHECKPOINT_DIR RESULT_FILE --steps 6 --kill-in-save 4:1
+
+On its first attempt (``TORCHELASTIC_RESTART_COUNT`` = 0) rank 1 SIGKILLs
+itself in the middle of the step-4 save. Rank 0 then fails in its next
+collective (the peer's socket closed), the torchrun agent sees a failed
+worker, stops the group and starts every worker again (attempt 1). The
+script itself does nothing special on a restart: ``resumable_run`` resumes
+from the newest checkpoint every rank can use, which is step 2 (step 4's
+directory is still ``.partial``). Rank 0 writes the result to RESULT_FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+__all__ = ["run_torchrun"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_torchrun(directory: str, result: str, steps: int = 6, kill_in_save: str | None = "4:1",
+                 nproc: int = 2, max_restarts: int = 2, timeout: float = 180.0) -> dict:
+    """Run the job under torchrun (CPU, gloo, 127.0.0.1); never longer than ``timeout``.
+
+    Returns {"returncode", "seconds", "log": torchrun's output, "result": rank 0's
+    result (None if the job failed)}."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+           "-m", "helpers.checkpoint.job", directory, result, "--steps", str(steps)]
+    if kill_in_save:
+        cmd += ["--kill-in-save", kill_in_save]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, whatever the node
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    t0 = time.perf_counter()
+    # start_new_session: on a timeout we kill the agent and its workers as one group
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        raise TimeoutError(f"torchrun did not finish within {timeout:g} s; its output:\n{log}")
+    out = torch.load(result, weights_only=True) if proc.returncode == 0 else None
+    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t0, "log": log,
+            "result": out}
+
+
+def main(argv=None) -> None:
+    from helpers import launch
+    from helpers.checkpoint.train import resumable_run
+
+    p = argparse.ArgumentParser()
+    p.add_argument("directory")
+    p.add_argument("result")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--kill-in-save", default=None, help="STEP:RANK, first attempt only")
+    args = p.parse_args(argv)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    crash = None
+    if args.kill_in_save and attempt == 0:
+        crash = tuple(int(v) for v in args.kill_in_save.split(":"))
+    world = int(os.environ["WORLD_SIZE"])
+    _init_group(attempt, world)
+    res = launch(resumable_run, world, args.directory, args.steps, crash_in_save=crash,
+                 timeout=60)
+    if int(os.environ["RANK"]) == 0:
+        r = res[0]
+        print(f"attempt {attempt}: started at step {r['start']}, trained to {args.steps}"
+              + "".join(f"; skipped {s}" for s in r["skipped"]), flush=True)
+        torch.save({"attempt": attempt, "start": r["start"], "params": r["params"],
+                    "losses": r["losses"], "skipped": r["skipped"]}, args.result)
+    import torch.distributed as dist
+    dist.barrier()  # no rank tears down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def _init_group(attempt: int, world: int) -> None:
+    """The gloo group on the agent's store, under a key prefix of its own per attempt.
+
+    Without the prefix a restarted rank could read the address that the killed
+    attempt's rank 0 published (seen: "connectFullMesh ... Connection refused",
+    and the restart failed again); each attempt's ranks now rendezvous only
+    with each other."""
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"course-attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+
+
+if __name__ == "__main__":
+    main()

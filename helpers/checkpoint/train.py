@@ -1,0 +1,155 @@
+"""The chapter's resumable training loop: a rank function that saves and resumes.
+
+``resumable_run(directory, steps, ...)`` runs on every rank (``launch``, or
+``torchrun``): it builds the toy GPT, the Markov data and a sharded sampler,
+resumes from the newest usable checkpoint in ``directory`` if there is one,
+trains to ``steps``, saving every ``save_every`` steps, and returns what a
+test compares: the loss of each step, the global sample indices each step
+used, and the final full weights.
+
+``forget`` leaves parts of the state out of the *restore* (they are still
+saved), to show what goes wrong without them: ``"rng"`` (dropout masks redrawn
+from the launch's seed), ``"sampler"`` (data order restarted at the beginning
+of the epoch). ``crash`` = (step, rank): that rank SIGKILLs itself right
+after finishing that step, the way a GPU falling off the bus ends a process;
+``crash_in_save`` = (step, rank): the same in the middle of that step's save,
+once its own file is written and before the manifest. ``extras`` =
+(capture, restore): the lab's own ``capture(sampler) -> dict`` and
+``restore(state, sampler)`` replace the built-in handling of the sampler
+position and the RNG streams.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from helpers.checkpoint.async_save import AsyncSaver
+from helpers.checkpoint.state import restore_training_state, resume_request, training_state
+from helpers.checkpoint.store import load_latest, save
+from helpers.data import ShardedSampler, make_dataset
+from helpers.launch import rank_info
+from helpers.model import build_model
+
+__all__ = ["resumable_run", "OPTIMIZERS"]
+
+OPTIMIZERS = ("ddp", "zero2")
+_PARTS = ("rng", "sampler")
+
+
+def _check(steps, save_every, optimizer, forget, crash) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(save_every, int) \
+            or save_every < 1:
+        raise ValueError(f"steps and save_every must be positive ints, got {steps}, {save_every}")
+    bad = set(forget) - set(_PARTS)
+    if bad:
+        raise ValueError(f"forget may name {_PARTS}, got {sorted(bad)}")
+    if crash is not None and (len(crash) != 2 or not 1 <= crash[0] <= steps):
+        raise ValueError(f"crash must be (step in [1, {steps}], rank), got {crash!r}")
+
+
+def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer: str = "ddp",
+                  dropout: float = 0.1, forget: tuple = (), crash: tuple | None = None,
+                  global_batch: int = 8, seq_len: int = 16, lr: float = 1e-2,
+                  async_save: bool = False, keep: int | None = None,
+                  crash_in_save: tuple | None = None, extras=None, size: str = "toy") -> dict:
+    """Train (resuming if possible) to ``steps``; see the module docstring.
+
+    Returns {"start": step resumed from, "losses": {step: global mean loss},
+    "samples": {step: global sample indices}, "params": full weights,
+    "skipped": reasons load_latest gave}. The global batch is fixed, so any
+    world size that divides it sees the same data at every step.
+    """
+    _check(steps, save_every, optimizer, forget, crash)
+    info = rank_info()
+    if global_batch % info.world_size:
+        raise ValueError(f"global batch {global_batch} does not split over "
+                         f"{info.world_size} ranks")
+    model = build_model(size, dropout=dropout)
+    data = make_dataset(vocab_size=model.config.vocab_size, seq_len=seq_len, num_sequences=128)
+    sampler = ShardedSampler(len(data), global_batch // info.world_size, info.rank,
+                             info.world_size, seed=1)
+    scheduler = None
+    if optimizer == "ddp":
+        from helpers.ddp import BucketedDDP
+        wrapped = BucketedDDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+        # a warm-up schedule, so that a resume that forgot it would show
+        scheduler = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
+    else:
+        from helpers.zero import ZeroOptimizer
+        wrapped = model
+        opt = ZeroOptimizer(model, stage=2, lr=lr)
+    # With the lab's extras, its two functions handle the sampler and the RNGs.
+    parts = {"sampler": None if extras else sampler, "scheduler": scheduler}
+    rng = extras is None
+    loaded = load_latest(directory, like=resume_request(model, opt, rng=rng, **parts))
+    start = 0
+    if loaded.state is not None:
+        state = dict(loaded.state)
+        for part in forget:
+            state.pop(part, None)
+        start = restore_training_state(state, model, opt, **parts)
+        if extras:
+            extras[1](state["extras"], sampler)
+
+    saver = AsyncSaver(keep=keep) if async_save else None
+    losses, samples = {}, {}
+    for step in range(start, steps):
+        idx = next(sampler)
+        x, y = data.batch(idx)
+        _, loss = wrapped(x, y)
+        loss.backward()
+        opt.step()
+        if optimizer == "ddp":
+            opt.zero_grad(set_to_none=True)
+            scheduler.step()
+        losses[step + 1] = _global_mean(loss.detach())
+        samples[step + 1] = _gather_indices(idx)
+        if (step + 1) % save_every == 0:
+            state = training_state(model, opt, step=step + 1, rng=rng, **parts)
+            if extras:
+                state["extras"] = extras[0](sampler)
+            if saver is not None:
+                saver.save(directory, state, step + 1)
+            else:
+                save(directory, state, step + 1, keep=keep,
+                     on_written=_killer(crash_in_save, step + 1, info.rank))
+        if crash is not None and crash == (step + 1, info.rank):
+            if saver is not None:
+                saver.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+    if saver is not None:
+        saver.wait()
+    full = opt.full_parameters() if optimizer == "zero2" else \
+        {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"start": start, "losses": losses, "samples": samples, "params": full,
+            "skipped": loaded.skipped}
+
+
+def _killer(crash_in_save, step: int, rank: int):
+    """on_written hook: SIGKILL this rank once its file of that step is on disk."""
+    if crash_in_save is None or tuple(crash_in_save) != (step, rank):
+        return None
+    return lambda path: os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _global_mean(loss: torch.Tensor) -> float:
+    t = loss.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return float(t)
+
+
+def _gather_indices(idx: torch.Tensor) -> list[int]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return idx.tolist()
+    out = [torch.empty_like(idx) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, idx)
+    return torch.cat(out).tolist()

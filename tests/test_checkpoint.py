@@ -1,0 +1,379 @@
+"""helpers.checkpoint: bitwise resume, killed ranks, crashes mid-save, corruption, resharding.
+
+Launch sizes are grouped (2, then 4, then 2, then 3 ranks) so that pools are
+reused; every checkpoint lives in a pytest tmp_path.
+"""
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import RankError, launch, rank_info
+from helpers.checkpoint import (AsyncSaver, CheckpointMismatch, Shard, load_latest,
+                                load_scaler_state, load_zero_state, rng_state, save,
+                                scaler_state, set_rng_state, zero_request, zero_state)
+from helpers.checkpoint import failures
+from helpers.checkpoint.train import resumable_run
+from helpers.model import build_model
+from helpers.precision import DynamicLossScaler
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------
+# Single process: the state tree, RNG, scaler, shape checks.
+# --------------------------------------------------------------------------
+
+def test_rng_state_round_trip_covers_every_stream():
+    s = rng_state()
+    want = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(99); random.seed(99); np.random.seed(99)  # noqa: E702
+    set_rng_state(s)
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
+
+
+def test_scaler_state_round_trip(tmp_path):
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=3)
+    scaler.update(found_inf=True)
+    scaler.update(found_inf=False)
+    save(str(tmp_path), {"scaler": scaler_state(scaler)}, 1)
+    fresh = DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=3)
+    load_scaler_state(fresh, load_latest(str(tmp_path)).state["scaler"])
+    assert (fresh.scale_value, fresh.clean_steps) == (2.0 ** 9, 1)
+
+
+def test_save_refuses_objects_weights_only_cannot_load(tmp_path):
+    with pytest.raises(RuntimeError, match=r"/extra/fn: a builtin_function_or_method cannot be saved"):
+        save(str(tmp_path), {"extra": {"fn": print}}, 1)
+    assert os.listdir(tmp_path) == []  # refused before any file was written
+
+
+def test_load_into_another_model_config_names_the_tensor(tmp_path):
+    model = build_model("toy")
+    save(str(tmp_path), {"model": model.state_dict()}, 5)
+    wider = build_model("toy", n_embd=48)
+    with pytest.raises(CheckpointMismatch, match=r"/model/wte.weight: the checkpoint has shape "
+                                                 r"\(64, 32\), this run expects \(64, 48\)"):
+        load_latest(str(tmp_path), like={"model": wider.state_dict()})
+
+
+def test_latest_complete_wins_and_partials_are_named(tmp_path):
+    d = str(tmp_path)
+    for step in (2, 4):
+        save(d, {"x": torch.full((3,), float(step))}, step)
+    os.makedirs(os.path.join(d, "step00000006.partial"))  # a save that never finished
+    got = load_latest(d)
+    assert got.step == 4 and torch.equal(got.state["x"], torch.full((3,), 4.0))
+    assert len(got.skipped) == 1 and "step00000006.partial: partial save" in got.skipped[0]
+    assert load_latest(str(tmp_path / "none")).state is None
+
+
+def test_keep_retains_only_the_newest(tmp_path):
+    for step in range(1, 5):
+        save(str(tmp_path), {"x": torch.zeros(1)}, step, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step00000003", "step00000004"]
+
+
+def test_async_save_writes_the_snapshot_not_later_changes(tmp_path):
+    w = torch.arange(1000.0)
+    saver = AsyncSaver()
+    saver.save(str(tmp_path), {"w": w, "piece": Shard(w[10:20], (1000,), 10)}, 3)
+    w.add_(1.0)  # the next optimizer step, while the write may still be running
+    saver.wait()
+    state = load_latest(str(tmp_path)).state
+    assert torch.equal(state["w"], torch.arange(1000.0))
+    assert torch.equal(state["piece"].data, torch.arange(10.0, 20.0))
+
+
+# --------------------------------------------------------------------------
+# 2 ranks: bitwise resume, what breaks without RNG / data position, kills.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["ddp", "zero2"])
+def test_resume_is_bitwise_and_needs_rng_and_data_position(tmp_path, optimizer):
+    """Dropout 0.1, a warm-up LR schedule (DDP): 6 steps in one go equal 3 steps,
+    a new launch (fresh processes seeded differently), and 3 more."""
+    full = launch(resumable_run, 2, str(tmp_path / "full"), 6, optimizer=optimizer)[0]
+    cut = str(tmp_path / "cut")
+    launch(resumable_run, 2, cut, 3, save_every=3, optimizer=optimizer)
+    resumed = launch(resumable_run, 2, cut, 6, save_every=100, optimizer=optimizer, seed=123)[0]
+    assert resumed["start"] == 3
+    assert _same_params(full["params"], resumed["params"])
+    assert all(full["losses"][s] == resumed["losses"][s] for s in (4, 5, 6))
+    assert all(full["samples"][s] == resumed["samples"][s] for s in (4, 5, 6))
+    seen = [i for s in range(1, 7) for i in full["samples"][s]]
+    assert len(seen) == len(set(seen))  # 6 x 8 samples of a 128-sample epoch: none twice
+
+    # The same resume without the RNG states: dropout masks drawn afresh.
+    no_rng = launch(resumable_run, 2, cut, 6, save_every=100, optimizer=optimizer,
+                    forget=("rng",), seed=123)[0]
+    assert no_rng["losses"][4] != full["losses"][4]
+    assert not _same_params(full["params"], no_rng["params"])
+    # ... and without the sampler's position: steps 4-6 see the data of steps 1-3 again.
+    no_pos = launch(resumable_run, 2, cut, 6, save_every=100, optimizer=optimizer,
+                    forget=("sampler",), seed=123)[0]
+    assert [no_pos["samples"][s] for s in (4, 5, 6)] == [full["samples"][s] for s in (1, 2, 3)]
+
+
+def test_killed_rank_then_resume_matches_uninterrupted(tmp_path):
+    full = launch(resumable_run, 2, str(tmp_path / "full"), 6)[0]
+    d = str(tmp_path / "run")
+    with pytest.raises(RankError, match="rank 1 was killed by SIGKILL"):
+        launch(resumable_run, 2, d, 6, crash=(5, 1))  # checkpoints at 2 and 4 exist
+    resumed = launch(resumable_run, 2, d, 6)[0]
+    assert resumed["start"] == 4 and _same_params(full["params"], resumed["params"])
+
+
+def test_async_saves_resume_like_blocking_ones(tmp_path):
+    full = launch(resumable_run, 2, str(tmp_path / "full"), 6)[0]
+    d = str(tmp_path / "async")
+    launch(resumable_run, 2, d, 4, async_save=True)
+    resumed = launch(resumable_run, 2, d, 6, async_save=True)[0]
+    assert resumed["start"] == 4 and _same_params(full["params"], resumed["params"])
+
+
+def _save_then_die_mid_save(directory):
+    r = rank_info().rank
+    save(directory, {"w": torch.full((4,), 2.0 + r)}, 2)
+
+    def die(path):  # rank 1's file is on disk, the manifest is not
+        if r == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    save(directory, {"w": torch.full((4,), 4.0 + r)}, 4, on_written=die)
+
+
+def _load(directory):
+    got = load_latest(directory)
+    return got.step, got.state["w"] if got.state else None, got.skipped
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
+    d = str(tmp_path)
+    with pytest.raises(RankError, match="rank 1 was killed by SIGKILL"):
+        launch(_save_then_die_mid_save, 2, d)
+    assert sorted(os.listdir(d)) == ["step00000002", "step00000004.partial"]
+    results = launch(_load, 2, d)
+    for r, (step, w, skipped) in enumerate(results):
+        assert step == 2 and torch.equal(w, torch.full((4,), 2.0 + r))
+        assert skipped == ["step00000004.partial: partial save (no manifest.json; never "
+                           "renamed into place)"]
+
+
+def _save_two(directory):
+    r = rank_info().rank
+    for step in (2, 4):
+        save(directory, {"w": torch.full((256,), float(step + r))}, step)
+
+
+def test_flipped_byte_is_caught_by_the_checksum(tmp_path):
+    d = str(tmp_path)
+    launch(_save_two, 2, d)
+    path = os.path.join(d, "step00000004", "rank1.pt")
+    with open(path, "r+b") as f:  # one bit of one float in the middle of the file
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    results = launch(_load, 2, d)
+    for r, (step, w, skipped) in enumerate(results):
+        # rank 0's own file is intact, but it must not resume from step 4 alone
+        assert step == 2 and torch.equal(w, torch.full((256,), 2.0 + r))
+        assert len(skipped) == 1 and skipped[0].startswith("step00000004: rank1.pt fails its "
+                                                           "checksum")
+        assert skipped[0].endswith("(rank 1)")
+
+
+def test_torchrun_restarts_after_a_kill_mid_save_and_resumes_bitwise(tmp_path):
+    """torchrun --standalone --nproc_per_node=2 --max-restarts=2 on CPU: rank 1 is
+    SIGKILLed inside the step-4 save on the first attempt; the restarted group
+    resumes from step 2 and ends with the uninterrupted run's weights."""
+    from helpers.checkpoint.job import run_torchrun
+    reference = launch(resumable_run, 2, str(tmp_path / "ref"), 6, save_every=100)[0]
+    # bounded: two attempts of a 6-step toy job took 37-70 s on the shared 2-core
+    # machine at load average ~25; 200 s stays under pytest-timeout's 300 s with
+    # room for the reference launch, and a timeout raises with torchrun's output
+    job = run_torchrun(str(tmp_path / "ckpt"), str(tmp_path / "result.pt"), steps=6,
+                       kill_in_save="4:1", timeout=200)
+    assert job["returncode"] == 0, job["log"][-3000:]
+    r = job["result"]
+    assert (r["attempt"], r["start"]) == (1, 2)
+    assert r["skipped"] == ["step00000004.partial: partial save (no manifest.json; never "
+                            "renamed into place)"]
+    assert _same_params(reference["params"], r["params"])
+
+
+# --------------------------------------------------------------------------
+# Resharding ZeRO-2 shards: 4 -> 2 and 2 -> 3 ranks load the same full state.
+# --------------------------------------------------------------------------
+
+def _zero_train_and_save(directory, steps=3):
+    from helpers.data import make_dataset
+    from helpers.zero import ZeroOptimizer
+    info = rank_info()
+    model = build_model("toy")
+    opt = ZeroOptimizer(model, stage=2, lr=1e-2, bucket_cap_mb=2000 * 4 / 2**20)  # 8 buckets
+    data = make_dataset(seq_len=16, num_sequences=64)
+    b = 12 // info.world_size  # a global batch of 12 splits over 2, 3 and 4 ranks
+    for s in range(steps):
+        x, y = data.batch(range(s * 12 + info.rank * b, s * 12 + (info.rank + 1) * b))
+        model(x, y)[1].backward()
+        opt.step()
+    save(directory, {"zero": zero_state(opt)}, steps)
+    return zero_state(opt)
+
+
+def _zero_load(directory):
+    from helpers.zero import ZeroOptimizer
+    model = build_model("toy", seed=7)  # other weights: the load must overwrite them
+    opt = ZeroOptimizer(model, stage=2, lr=1e-2, bucket_cap_mb=1.0)  # another bucket layout
+    got = load_latest(directory, like={"zero": zero_request(opt)})
+    load_zero_state(opt, got.state["zero"])
+    return zero_state(opt)
+
+
+def _full(states: list[dict]) -> dict:
+    """Per-rank zero_state pieces -> full tensors, checking every element is covered once."""
+    out = {}
+    for part in ("weights", "exp_avg", "exp_avg_sq"):
+        pieces = {name: s for st in states for name, s in st[part].items()}
+        for name, any_piece in pieces.items():
+            shape = any_piece.global_shape
+            full = torch.full((int(np.prod(shape)),), float("nan"))
+            for st in states:
+                if name in st[part]:
+                    s = st[part][name]
+                    assert full[s.offset:s.offset + s.data.numel()].isnan().all()
+                    full[s.offset:s.offset + s.data.numel()] = s.data
+            assert not full.isnan().any()
+            out[f"{part}/{name}"] = full
+    out["step_count"] = torch.tensor([st["step_count"] for st in states])
+    return out
+
+
+def _fsdp2_save(directory):
+    from helpers.checkpoint.dcp import dcp_save, fsdp2_job, fsdp2_state, full_state
+    from helpers.data import make_dataset
+    model, opt = fsdp2_job()
+    data = make_dataset(seq_len=16, num_sequences=64)
+    r = rank_info()
+    b = 8 // r.world_size
+    for s in range(2):  # two steps, so Adam's moments and step count are not trivial
+        x, y = data.batch(range(s * 8 + r.rank * b, s * 8 + (r.rank + 1) * b))
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    dcp_save(os.path.join(directory, "dcp"), model, opt)
+    save(os.path.join(directory, "ours"), fsdp2_state(model, opt), 2)
+    return full_state(model, opt)
+
+
+def _fsdp2_load(directory):
+    from helpers.checkpoint.dcp import (dcp_load, fsdp2_job, fsdp2_request, full_state,
+                                        load_fsdp2_state)
+    model, opt = fsdp2_job(seed=5)  # other weights: the loads must overwrite them
+    dcp_load(os.path.join(directory, "dcp"), model, opt)
+    via_dcp = full_state(model, opt)
+    model, opt = fsdp2_job(seed=6)
+    got = load_latest(os.path.join(directory, "ours"), like=fsdp2_request(model, opt))
+    load_fsdp2_state(model, opt, got.state)
+    return via_dcp, full_state(model, opt)
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}/{key}").items()}
+    return {prefix: tree} if isinstance(tree, torch.Tensor) else {}
+
+
+def test_reshard_4_to_2_and_2_to_3_same_full_state_same_loss_curve(tmp_path):
+    """ZeRO-2 shards saved by 2 and 4 ranks load on 3 and 2 ranks as the exact
+    same full state (weights, both moments); and a run moved from 4 to 2 ranks
+    at step 3 continues the loss curve of a run that stayed on 4.
+
+    The loss curves: same data (the global batch is fixed), same weights and
+    moments at step 3; what differs is only the order of additions: per-rank
+    mean losses over 32 vs 64 tokens and an all-reduce over 4 vs 2 partial
+    gradients. And PyTorch's DCP next to ours on an FSDP2 job: saved on 4 ranks,
+    loaded on 2, the same full state. (Launch sizes ordered 2, 4, 2, 3 so pools
+    are reused.)"""
+    two, four = str(tmp_path / "two"), str(tmp_path / "four")
+    kw = dict(optimizer="zero2", dropout=0.0)
+    saved2 = _full(launch(_zero_train_and_save, 2, two))
+    saved4 = _full(launch(_zero_train_and_save, 4, four))
+    steady = launch(resumable_run, 4, str(tmp_path / "a"), 6, **kw)[0]
+    d = str(tmp_path / "b")
+    launch(resumable_run, 4, d, 3, save_every=3, **kw)
+    fsdp2 = str(tmp_path / "fsdp2")
+    fsdp2_saved = launch(_fsdp2_save, 4, fsdp2)[0]
+    on2 = _full(launch(_zero_load, 2, four))
+    moved = launch(resumable_run, 2, d, 6, **kw)[0]
+    via_dcp, via_ours = launch(_fsdp2_load, 2, fsdp2)[0]
+    on3 = _full(launch(_zero_load, 3, two))
+
+    # PyTorch's DCP and ours, same FSDP2 state saved on 4 ranks, loaded on 2:
+    # both give back every tensor exactly (no arithmetic, only copies).
+    want, a, b = _flat(fsdp2_saved), _flat(via_dcp), _flat(via_ours)
+    assert len(want) > 100 and want.keys() == a.keys() == b.keys()
+    for k in want:
+        assert torch.equal(want[k], a[k]) and torch.equal(want[k], b[k]), k
+
+    for saved, loaded in ((saved4, on2), (saved2, on3)):
+        assert saved.keys() == loaded.keys()
+        for k in saved:
+            if k != "step_count":
+                assert torch.equal(saved[k], loaded[k]), k
+        assert set(loaded["step_count"].tolist()) == {3}
+
+    assert moved["start"] == 3
+    # Step 4's loss is computed from identical weights: it differs only in how 128
+    # token losses are summed, at most 128 roundings: <= 128 * eps_fp32 relative.
+    eps = torch.finfo(torch.float32).eps
+    assert abs(moved["losses"][4] - steady["losses"][4]) <= 128 * eps * steady["losses"][4]
+    # Later steps apply gradients rounded differently (relative ~1e-7); Adam moves a
+    # weight by at most about lr = 1e-2 per step whatever the gradient's size, so
+    # a sign flip of a near-zero gradient entry is the worst rounding can do; such
+    # entries are few, and a 1e-4 relative band on the loss holds them.
+    for s in (5, 6):
+        assert abs(moved["losses"][s] - steady["losses"][s]) <= 1e-4 * steady["losses"][s]
+    assert moved["samples"] == {s: steady["samples"][s] for s in (4, 5, 6)}
+
+
+# --------------------------------------------------------------------------
+# Failure arithmetic.
+# --------------------------------------------------------------------------
+
+def test_llama3_figures_and_mtbf_scaling():
+    L = failures.LLAMA3
+    hours = L["days"] * 24
+    assert hours / L["unexpected"] == pytest.approx(3.093, abs=1e-3)  # one every ~3.1 h
+    m = failures.per_gpu_mtbf(hours, L["unexpected"], L["gpus"])
+    assert m == pytest.approx(50_675, rel=1e-4)  # ~5.8 years per GPU
+    assert failures.job_mtbf(m, L["gpus"]) == pytest.approx(hours / L["unexpected"])
+    assert failures.job_mtbf(m, 2 * L["gpus"]) == pytest.approx(hours / L["unexpected"] / 2)
+    with pytest.raises(ValueError, match="n_gpus must be > 0"):
+        failures.job_mtbf(m, 0)
+
+
+def test_young_interval_minimizes_the_lost_fraction_and_matches_a_replay():
+    C, M = 60.0, 3 * 3600.0  # a 1-minute save, a failure every 3 hours
+    tau = failures.young_interval(C, M)
+    grid = [tau * f for f in np.linspace(0.5, 2.0, 31)]
+    best = min(grid, key=lambda t: failures.lost_fraction(t, C, M))
+    assert best == pytest.approx(tau)
+    # Daly's correction is small when C << M: C / (2M) = 0.3%.
+    assert failures.daly_interval(C, M) == pytest.approx(tau, rel=0.05)
+    # A replay of ~2000 exponential failures: the lost fraction's relative
+    # sampling error is ~1/sqrt(2000) = 2.2%, and the first-order formula drops
+    # terms of order tau / M = 11% of the failure part; 15% covers both.
+    lost_sim = 1 - failures.simulate_goodput(tau, C, M, seed=1)
+    assert lost_sim == pytest.approx(failures.lost_fraction(tau, C, M), rel=0.15)
+    # Without failures the replay is exact arithmetic: work / (work + saves).
+    assert failures.simulate_goodput(100.0, 10.0, 1e30, work=1000.0) == pytest.approx(1000 / 1100)
