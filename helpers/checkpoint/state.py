@@ -111,12 +111,14 @@ def zero_ranges(opt) -> list[tuple[str, torch.Size, int, int, int]]:
 
 def zero_state(opt) -> dict:
     """This rank's part of a ZeroOptimizer's state: the fp32 weights (the master
-    copy in bf16/fp16 mode), both Adam moments, per parameter, plus the step count."""
+    copy in bf16/fp16 mode), both Adam moments, per parameter, plus the step counts."""
     if opt.stage == 3:
         raise NotImplementedError("zero_state covers stages 0-2; for stage 3 save "
                                   "opt.full_parameters() or use FSDP's per-rank state")
-    state: dict[str, Any] = {"step_count": opt.step_count, "weights": {}, "exp_avg": {},
-                             "exp_avg_sq": {}}
+    # param_steps: AdamW's bias correction counts the steps each parameter took (one
+    # no rank gave a gradient is skipped), so a resume needs them, not only step_count.
+    state: dict[str, Any] = {"step_count": opt.step_count, "param_steps": list(opt.param_steps),
+                             "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
     if opt.shards == 1 and opt.rank != 0:
         return state  # stage 0 replicates everything: rank 0's copy is enough
     for name, shape, lo, hi, at in zero_ranges(opt):
@@ -135,7 +137,8 @@ def zero_request(opt) -> dict:
     """The template ``load_latest(like=...)`` needs: the full weights (stages 0-2
     keep them on every rank) and this rank's ranges of the moments."""
     named = dict(opt.model.named_parameters())
-    like: dict[str, Any] = {"step_count": 0, "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    like: dict[str, Any] = {"step_count": 0, "param_steps": [0] * len(opt.param_steps),
+                            "weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for name, shape, lo, hi, at in zero_ranges(opt):
         like["exp_avg"][name] = Shard.empty_like(shape, lo, hi - lo)
         like["exp_avg_sq"][name] = Shard.empty_like(shape, lo, hi - lo)
@@ -159,6 +162,7 @@ def load_zero_state(opt, state: dict) -> None:
         if opt.master is not None:
             opt.master[at:at + n].copy_(state["weights"][name].data[lo:hi])
     opt.step_count = int(state["step_count"])
+    opt.param_steps[:] = [int(n) for n in state["param_steps"]]
 
 
 # --------------------------------------------------------------------------

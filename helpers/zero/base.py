@@ -116,7 +116,7 @@ class ZeroOptimizer:
             raise ValueError("the model has no trainable parameters")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._used = [False] * len(self.params)  # got a gradient here since the last step
-        self._param_steps = [0] * len(self.params)  # AdamW steps taken by each parameter
+        self.param_steps = [0] * len(self.params)  # AdamW steps per parameter (checkpoints save them)
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ValueError(f"all trainable parameters must be on one device (the flat buffers "
@@ -228,8 +228,8 @@ class ZeroOptimizer:
             dist.all_reduce(flags, group=self.group)  # > 0: used on some rank
             used = [f > 0 for f in flags.tolist()]
         for i, flag in enumerate(used):
-            self._param_steps[i] += flag
-        return [n if flag else None for n, flag in zip(self._param_steps, used)]
+            self.param_steps[i] += flag
+        return [n if flag else None for n, flag in zip(self.param_steps, used)]
 
     def _update_segments(self, b: Bucket, steps: list[int | None]):
         """[lo, hi) ranges of this rank's chunk of bucket b, in chunk coordinates,
