@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from helpers.collectives import _check_summable, chunk_bounds
+from helpers.collectives import _check_summable, _flat, _ring, chunk_bounds  # chapter 03's
 from helpers.topology.links import Link, Topology
 
 __all__ = ["Wire", "NodeGroups", "check_grid", "grid_layout", "node_groups", "mesh_groups",
@@ -95,23 +95,6 @@ class Wire:
         # one batch: sends and receives progress together (helpers.collectives._post_pair)
         for req in (dist.batch_isend_irecv(ops) if ops else []):
             req.wait()
-
-
-def _ring(group) -> tuple[int, int, int, int]:
-    """(rank, size, right neighbour, left neighbour) within ``group``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1, 0, 0  # no process group: one rank, nothing to send
-    rank, p = dist.get_rank(group), dist.get_world_size(group)
-    return rank, p, (rank + 1) % p, (rank - 1) % p
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise ValueError("these collectives work in place on a contiguous tensor; "
-                         "call .contiguous() first (and copy the result back)")
-    return tensor.view(-1)
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, wire: Wire | None = None):
