@@ -1,0 +1,97 @@
+"""Checks for lab 19: translate Megatron-LM flags into a Plan; predict per-GPU memory."""
+
+from __future__ import annotations
+
+from helpers.checks import CheckFailed, attempt, expect_close, passed
+from helpers.frameworks import Cluster, Plan, estimate, from_megatron
+from helpers.frameworks.examples import MODELS
+from helpers.memory import GB
+
+__all__ = ["check_translate", "check_per_gpu_memory", "TRANSLATE_FIELDS"]
+
+TRANSLATE_FIELDS = ("dp", "tp", "pp", "zero_stage", "sequence_parallel", "recompute",
+                    "micro_batch", "grad_accum", "global_batch")
+
+_FLAG_CASES = [
+    ({"--tensor-model-parallel-size": 8, "--pipeline-model-parallel-size": 16,
+      "--micro-batch-size": 1, "--global-batch-size": 1536, "--sequence-parallel": True,
+      "--use-distributed-optimizer": True, "--recompute-granularity": "selective"}, 1024),
+    ({"--tensor-model-parallel-size": 2, "--micro-batch-size": 4,
+      "--global-batch-size": 64}, 8),
+    ({"--pipeline-model-parallel-size": 4, "--micro-batch-size": 2,
+      "--global-batch-size": 512, "--recompute-granularity": "full"}, 64),
+    ({}, 4),
+]
+
+
+def _as_args(flags: dict) -> list[str]:
+    out = []
+    for k, v in flags.items():
+        out += [k] if v is True else [k, str(v)]
+    return out
+
+
+def check_translate(learner_fn) -> None:
+    """``learner_fn(flags: dict, world_size) -> Plan`` agrees with ``from_megatron`` on
+    the fields in TRANSLATE_FIELDS."""
+    for flags, world in _FLAG_CASES:
+        want = from_megatron(_as_args(flags), world)
+        got = attempt(learner_fn, dict(flags), world, what="translate")
+        if not isinstance(got, Plan):
+            raise CheckFailed(f"return a Plan, got {type(got).__name__}")
+        for f in TRANSLATE_FIELDS:
+            g, w = getattr(got, f), getattr(want, f)
+            if g != w:
+                hint = ""
+                if f == "dp":
+                    hint = " (dp is what the world leaves after tp x pp)"
+                elif f == "grad_accum":
+                    hint = " (global = micro x accumulation x dp)"
+                raise CheckFailed(f"flags {flags} on {world} GPUs: {f} should be {w!r}, "
+                                  f"got {g!r}{hint}")
+    passed(f"Megatron flags translated: {', '.join(TRANSLATE_FIELDS)} agree with "
+           f"from_megatron on {len(_FLAG_CASES)} command lines")
+
+
+def _memory_cases():
+    gpt3, llama = MODELS["GPT-3 175B"], MODELS["Llama 2 70B"]
+    a100 = Cluster.a100(128)
+    yield ("GPT-3 175B, tp 8 x pp 16 x dp 8, distributed optimizer, SP, selective",
+           Plan(dp=8, tp=8, pp=16, micro_batch=1, grad_accum=192, zero_stage=1,
+                main_grads_fp32=True, sequence_parallel=True, recompute="selective"),
+           gpt3, a100)
+    yield ("GPT-3 175B, same without the distributed optimizer, full recompute",
+           Plan(dp=8, tp=8, pp=16, micro_batch=1, grad_accum=192, main_grads_fp32=True,
+                sequence_parallel=True, recompute="full"), gpt3, a100)
+    yield ("Llama 2 70B, dp 64, ZeRO-2, full recompute",
+           Plan(dp=64, micro_batch=1, grad_accum=16, zero_stage=2, recompute="full"),
+           llama, Cluster.a100(8))
+    yield ("Llama 2 70B, tp 8 x dp 8, ZeRO-1, micro-batch 2, no recompute",
+           Plan(dp=8, tp=8, micro_batch=2, grad_accum=8, zero_stage=1,
+                sequence_parallel=True), llama, Cluster.a100(8))
+
+
+def check_per_gpu_memory(learner_fn) -> None:
+    """``learner_fn(plan, model) -> bytes`` on the busiest GPU: weights + gradients +
+    optimizer state (after tp x pp splitting and ZeRO sharding) + activations."""
+    for what, plan, model, cluster in _memory_cases():
+        est = estimate(plan, model, cluster)
+        want = est.memory_total
+        got = attempt(learner_fn, plan, model, what="per_gpu_memory")
+        parts = {t.name: t.value for t in est.memory}
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            raise CheckFailed(f"{what}: return a number of bytes, got {got!r}") from None
+        # same terms summed in another order: float64 rounding only, far below 1e-9
+        if abs(got - want) <= 1e-9 * want:
+            continue
+        hint = ""
+        if abs(got - (want - parts["optimizer state"])) <= 1e-6 * want:
+            hint = " (the optimizer state is missing: fp32 master weights + Adam m and v)"
+        elif abs(got - (want - parts["activations"])) <= 1e-6 * want:
+            hint = " (the activations are missing)"
+        elif got > want:
+            hint = " (is the model state split over tp x pp and sharded by the ZeRO stage?)"
+        raise CheckFailed(f"{what}: expected {want / GB:,.3f} GB, got {got / GB:,.3f} GB{hint}")
+    passed("per-GPU memory predicted for 4 plans (GPT-3 175B, Llama 2 70B) as estimate() does")
