@@ -38,7 +38,6 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
      "2 x cp = 8 chunks"),
     (Plan(dp=1, pp=2, vpp=2, grad_accum=3), 2, None, "not a multiple of pp=2"),
     (Plan(precision="fp16"), 1, None, "fp16 needs loss scaling"),
-    (Plan(dp=2, pp=2, zero_stage=2), 4, None, "combine pp > 1 with stage 0 or 1"),
     (Plan(dp=2, offload="optimizer"), 2, None, "needs ZeRO stage >= 1"),
     (Plan(dp=2, sequence_parallel=True), 2, None, "needs tp > 1"),
     (Plan(dp=4, dp_shard=3, zero_stage=3), 4, None, "dp_shard=3 does not divide dp=4"),
@@ -96,6 +95,9 @@ def test_torchtitan_reader():
                              "gradient_accumulation_steps": 2}, 8),
      "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp"),
     (lambda: from_deepspeed({"train_batch_size": "auto"}, 8), "'auto' is filled in"),
+    (lambda: from_deepspeed({"train_micro_batch_size_per_gpu": 1,
+                             "zero_optimization": {"stage": 2}}, 8, pp=2),
+     "pipeline engine takes ZeRO stage 0 or 1 only"),
     (lambda: from_deepspeed({"train_batch_size": 8, "bf16": {"enabled": True},
                              "fp16": {"enabled": True}}, 8), "exclude each other"),
     (lambda: from_megatron("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 3",
@@ -264,3 +266,28 @@ def test_deepspeed_own_estimators(n, gpn, nodes):
     # DeepSpeed truncates its sharded term to an int: at most one byte below ours
     assert 0 <= crosscheck.deepspeed_gpu_bytes(n, gpus, 2) - got[2] < 1
     assert 0 <= crosscheck.deepspeed_gpu_bytes(n, gpus, 3, largest) - got[3] < 1
+
+
+def test_torchtitan_interleaved_schedule_gets_two_stages_per_rank():
+    plan = from_torchtitan("[parallelism]\npipeline_parallel_degree = 4\n"
+                           "pipeline_parallel_schedule = 'Interleaved1F1B'\n"
+                           "[training]\nlocal_batch_size = 8\n", 8)
+    assert (plan.pp, plan.vpp, plan.dp, plan.micro_batch, plan.grad_accum) == (4, 2, 2, 1, 8)
+    assert plan.zero_stage == 2        # "default" keeps weights gathered under a pipeline
+
+
+def test_experts_split_over_ep_and_pay_all_to_alls():
+    moe = ModelSpec(layers=8, hidden=1024, heads=16, vocab=32000, seq=2048, experts=8, top_k=2)
+    cluster = Cluster.h100(2)
+    one = estimate(Plan(dp=16, micro_batch=1, grad_accum=1), moe, cluster)
+    eight = estimate(Plan(dp=16, ep=8, micro_batch=1, grad_accum=1), moe, cluster)
+    w1 = {t.name: t.value for t in one.memory}["weights"]
+    w8 = {t.name: t.value for t in eight.memory}["weights"]
+    dense = moe.total_params() - moe.expert_params()
+    # 16-bit weights: dense ones whole, experts 1/8 each (exact: same products and sums)
+    assert w1 == 2 * moe.total_params()
+    assert w8 == pytest.approx(2 * (dense + moe.expert_params() / 8), rel=1e-12)
+    comm = {t.name: t.value for t in eight.comm}
+    # 4 all-to-alls per layer of s b k h 16-bit values, 7/8 of each leaves the GPU (chapter 21)
+    assert comm["ep"] == pytest.approx(4 * 8 * 7 / 8 * 2048 * 2 * 1024 * 2, rel=1e-12)
+    assert {t.name: t.value for t in one.comm}["ep"] == 0

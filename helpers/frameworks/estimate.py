@@ -192,7 +192,7 @@ def narayanan_training_days(tokens: float, params: float, gpus: int, flops_per_g
 # The estimate
 # ---------------------------------------------------------------------------
 
-def _group(plan: Plan, stride: int, size: int) -> list[int]:
+def _group(stride: int, size: int) -> list[int]:
     """GPU ids of the group of ``size`` ranks at ``stride`` that contains GPU 0
     (Megatron's order: tp fastest, then cp, then dp, then pp)."""
     return [i * stride for i in range(size)]
@@ -267,7 +267,7 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
                                                          dtype_bytes=2).items()
                      if name.startswith("blocks."))
     tp_sent = 2 * (p.tp - 1) / p.tp * tp_payload * rerun * micro   # a ring all-reduce sends 2(t-1)/t
-    tp_group = _group(p, 1, p.tp)
+    tp_group = _group(1, p.tp)
     n_nodes = len({topo.node_of(g) for g in tp_group})
     link = topo.intra if n_nodes == 1 else topo.inter
     tp_t = (tp_layer_comm_time(m.hidden, s_local * p.micro_batch, p.tp, link)
@@ -276,7 +276,7 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
     comm_time.append(Term("tp", tp_t, "07, 09"))
 
     # data parallel (over dp x cp, stride tp): gradients, and weights for sharded optimizers
-    dp_group = _group(p, p.tp, p.dp * p.cp)
+    dp_group = _group(p.tp, p.dp * p.cp)
     local_params = (owned_dense + owned_expert)
     grad_bytes = local_params * g_b
     if p.zero_stage == 3:
@@ -306,14 +306,14 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
     # context parallel: K and V blocks round the ring
     kv = 2 * s_local * p.micro_batch * m.hidden * m.kv_heads_ // m.heads * 2
     cp_sent = (p.cp - 1) * kv * 3 * layers_here * micro if p.cp > 1 else 0.0
-    cp_group = _group(p, p.tp, p.cp)
+    cp_group = _group(p.tp, p.cp)
     cp_link = topo.intra if len({topo.node_of(g) for g in cp_group}) == 1 else topo.inter
     comm.append(Term("cp", cp_sent, "10"))
     comm_time.append(Term("cp", cp_sent / cp_link.bandwidth if p.cp > 1 else 0.0, "07, 10"))
 
     # expert parallel: 4 all-to-alls of the routed tokens per MoE layer per micro-batch
     ep_bytes = s_local * p.micro_batch * m.top_k * m.hidden * 2
-    ep_group = _group(p, p.tp, p.ep)
+    ep_group = _group(p.tp, p.ep)
     ep_n = 4 * layers_here * micro if (m.experts and p.ep > 1) else 0
     comm.append(Term("ep", ep_n * (p.ep - 1) / p.ep * ep_bytes, "21"))
     comm_time.append(Term("ep", ep_n * _time(cluster, "all_to_all", ep_bytes, ep_group), "07, 21"))

@@ -61,7 +61,8 @@ class ModelSpec:
     attention's key/value heads (default ``heads``). ``experts`` > 0 makes
     every layer's MLP a mixture of ``experts`` experts, ``top_k`` of which
     each token visits (chapter 21). ``n_params``: the nominal count to use
-    instead of the one computed from the shape.
+    instead of the one computed from the shape (then treated as dense: no
+    expert split, since the count does not say which part is experts).
     """
 
     layers: int
@@ -290,10 +291,6 @@ class Plan:
         if self.offload != "none" and self.zero_stage == 0:
             raise ValueError("offload moves the sharded optimizer state: it needs ZeRO stage "
                              ">= 1")
-        if self.zero_stage >= 2 and self.pp > 1:
-            raise ValueError(f"ZeRO stage {self.zero_stage} shards gradients over dp, but a "
-                             f"pipeline accumulates them across micro-batches: combine pp > 1 "
-                             f"with stage 0 or 1 only (DeepSpeed refuses it, too)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism splits along the TP group: it needs tp > 1")
         if model is not None:

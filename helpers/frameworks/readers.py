@@ -315,6 +315,12 @@ def from_deepspeed(config: dict | str, world_size: int, *, tp: int = 1, pp: int 
                          f"{micro * accum * dp}, not {batch}")
     zero = cfg.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
+    if stage >= 2 and pp > 1:
+        # DeepSpeed's PipelineEngine asserts this: a stage accumulates gradients over all
+        # its micro-batches, which sharded gradients would reduce-scatter every time
+        raise ValueError(f"DeepSpeed's pipeline engine takes ZeRO stage 0 or 1 only: stage "
+                         f"{stage} shards gradients, which a pipeline accumulates across "
+                         f"micro-batches")
     offload = "none"
     if (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None):
         offload = "optimizer"
@@ -401,9 +407,14 @@ def from_torchtitan(toml_text_or_path: str, world_size: int) -> Plan:
                          f"of {micro}: not divisible")
     accum = global_batch // (micro * dp)
     schedule = par.get("pipeline_parallel_schedule", "1F1B")
-    vpp = 2 if pp > 1 and schedule in _INTERLEAVED else 1  # torchtitan's default: 2 per rank
+    # torchtitan gives multi-stage schedules 2 stages per rank unless the split is set
+    # (pipeline_parallel_layers_per_stage, kept in unmapped)
+    vpp = 2 if pp > 1 and schedule in _INTERLEAVED else 1
     reshard = par.get("fsdp_reshard_after_forward", "default")
-    zero = 0 if shard == 1 else (2 if reshard == "never" else 3)
+    # "default": torchtitan reshards after forward unless a pipeline is on (its stages run
+    # several micro-batches' forwards before their backwards: re-gathering would repeat)
+    keep = reshard == "never" or (reshard == "default" and pp > 1)
+    zero = 0 if shard == 1 else (2 if keep else 3)
     precision = {"bfloat16": "bf16", "float32": "fp32"}.get(
         train.get("mixed_precision_param", "bfloat16"))
     if precision is None:
