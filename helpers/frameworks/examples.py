@@ -33,7 +33,7 @@ MODELS = {
 
 # name -> (config file, reader, model, cluster)
 EXAMPLES = {
-    "megatron-gpt3-175b": ("megatron_gpt3_175b.sh", from_megatron, "GPT-3 175B",
+    "megatron-gpt3-175b": ("megatron_gpt3_175b.args", from_megatron, "GPT-3 175B",
                            lambda: Cluster.a100(128)),
     "deepspeed-zero3-llama2-70b": ("deepspeed_zero3_llama2_70b.json", from_deepspeed,
                                    "Llama 2 70B", lambda: Cluster.a100(8)),
