@@ -297,3 +297,15 @@ def test_experts_split_over_ep_and_pay_all_to_alls():
     # 4 all-to-alls per layer of s b k h 16-bit values, 7/8 of each leaves the GPU (chapter 21)
     assert comm["ep"] == pytest.approx(4 * 8 * 7 / 8 * 2048 * 2 * 1024 * 2, rel=1e-12)
     assert {t.name: t.value for t in one.comm}["ep"] == 0
+
+
+def test_megatron_ignores_sequence_parallel_without_tp_and_says_so():
+    plan = from_megatron("--sequence-parallel --bf16", 4)
+    assert not plan.sequence_parallel
+    assert ("--sequence-parallel", True, "ignored with tp = 1, as Megatron does") in plan.unmapped
+
+
+def test_deepspeed_accepts_both_bf16_spellings():
+    for key in ("bf16", "bfloat16"):
+        plan = from_deepspeed({"train_micro_batch_size_per_gpu": 1, key: {"enabled": True}}, 2)
+        assert plan.precision == "bf16" and not plan.unmapped

@@ -231,6 +231,10 @@ def from_megatron(args: str | list[str], world_size: int) -> Plan:
             raise ValueError(f"--recompute-granularity is full or selective, got {recompute!r}")
     known = {k for (fw, k) in KNOBS if fw == "megatron"} | set(_MEGATRON_MODEL)
     unmapped = tuple((k, v, _why(k)) for k, v in a.items() if k not in known)
+    sequence_parallel = "--sequence-parallel" in a
+    if sequence_parallel and tp == 1:   # Megatron turns it off (arguments.py), so do we
+        sequence_parallel = False
+        unmapped += (("--sequence-parallel", True, "ignored with tp = 1, as Megatron does"),)
     plan = Plan(dp=dp, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
                 zero_stage=1 if "--use-distributed-optimizer" in a else 0,
                 # Megatron accumulates and reduces bf16 models' gradients in fp32 by default
@@ -240,7 +244,7 @@ def from_megatron(args: str | list[str], world_size: int) -> Plan:
                 optimizer_grads_fp32=precision == "fp16" and
                 "--accumulate-allreduce-grads-in-fp32" not in a,
                 precision=precision, loss_scaling=scaling, recompute=recompute,
-                sequence_parallel="--sequence-parallel" in a, micro_batch=micro,
+                sequence_parallel=sequence_parallel, micro_batch=micro,
                 grad_accum=global_batch // (micro * dp), global_batch=global_batch,
                 overlap_grad_reduce="--overlap-grad-reduce" in a,
                 overlap_param_gather="--overlap-param-gather" in a,
@@ -329,7 +333,7 @@ def from_deepspeed(config: dict | str, world_size: int, *, tp: int = 1, pp: int 
         if offload == "params-only":
             raise ValueError("offload_param without offload_optimizer is not modelled: offload "
                              "the optimizer state too (it is the larger part)")
-    bf16 = (cfg.get("bf16") or {}).get("enabled", False)
+    bf16 = (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False)  # both spellings
     fp16 = (cfg.get("fp16") or {}).get("enabled", False)
     if bf16 and fp16:
         raise ValueError("bf16.enabled and fp16.enabled exclude each other")
@@ -342,7 +346,8 @@ def from_deepspeed(config: dict | str, world_size: int, *, tp: int = 1, pp: int 
                       "gradient_accumulation_steps", "zero_optimization.stage",
                       "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
                       "zero_optimization.overlap_comm",
-                      "zero_optimization.stage3_prefetch_bucket_size", "bf16", "fp16")
+                      "zero_optimization.stage3_prefetch_bucket_size", "bf16", "bfloat16",
+                      "fp16")
     unmapped = []
     for k, v in flat.items():
         if k.startswith(known_prefixes):
