@@ -276,10 +276,6 @@ class Plan:
                              f"ranks that hold the same layer: ep={self.ep} does not divide it")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("virtual pipeline stages (interleaving) need pp > 1")
-        if self.vpp > 1 and self.grad_accum % self.pp:
-            raise ValueError(f"the interleaved schedule runs micro-batches in rounds of pp: "
-                             f"{self.grad_accum} micro-batches are not a multiple of "
-                             f"pp={self.pp}")
         if self.precision == "fp16" and self.loss_scaling is None:
             raise ValueError("fp16 needs loss scaling (its gradients underflow without it, "
                              "chapter 13): set loss_scaling='dynamic' or 'static'")
