@@ -1,7 +1,6 @@
 """helpers.frameworks: plans validated by rule, readers on real-style configs, estimates that
 reproduce the figures earlier chapters check, and the frameworks' own calculators."""
 
-import json
 import os
 
 import pytest

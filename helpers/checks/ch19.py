@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from helpers.checks import CheckFailed, attempt, expect_close, passed
+from helpers.checks import CheckFailed, attempt, passed
 from helpers.frameworks import Cluster, Plan, estimate, from_megatron
 from helpers.frameworks.examples import MODELS
 from helpers.memory import GB

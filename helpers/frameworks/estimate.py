@@ -266,7 +266,8 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
     tp_payload = sum(v for (name, _), v in tp_comm_bytes(tp_cfg, p.micro_batch, s_local, p.tp,
                                                          dtype_bytes=2).items()
                      if name.startswith("blocks."))
-    tp_sent = 2 * (p.tp - 1) / p.tp * tp_payload * rerun * micro   # a ring all-reduce sends 2(t-1)/t
+    # a ring all-reduce sends 2(t-1)/t of its payload from each rank
+    tp_sent = 2 * (p.tp - 1) / p.tp * tp_payload * rerun * micro
     tp_group = _group(1, p.tp)
     n_nodes = len({topo.node_of(g) for g in tp_group})
     link = topo.intra if n_nodes == 1 else topo.inter

@@ -194,7 +194,8 @@ class Plan:
     default with bf16). ``optimizer_grads_fp32``: the optimizer keeps an fp32
     copy of its gradient shard (DeepSpeed ZeRO, Megatron's fp16 optimizer).
     ``params_fp32``: weights stored in fp32 and cast to 16 bits for each use
-    (FSDP2's mixed precision): they are the master copy, no second one. ``offload``: state moved to CPU memory.
+    (FSDP2's mixed precision): they are the master copy, no second one.
+    ``offload``: state moved to CPU memory.
     ``loss_scaling``: "dynamic" or "static" (fp16 only). ``recompute``: none,
     selective (attention scores) or full (keep each layer's input).
     ``sequence_parallel``: Megatron SP inside the TP group.
