@@ -115,6 +115,7 @@ class ModelSpec:
     gated: bool = False
     experts: int = 0
     top_k: int = 1
+    tied: bool = False   # one vocab x hidden matrix for input and output (GPT-2/3, Megatron's GPT)
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -157,11 +158,12 @@ class ModelSpec:
 
     @functools.cached_property   # writes the instance __dict__, so a frozen dataclass allows it
     def dense_params(self) -> int:
-        """Everything that is not an expert: attention, dense MLPs, input and output
-        embeddings (untied, as in GPT-3-style Megatron runs and Llama). Biases and
-        norms (~0.01 %) are left out."""
+        """Everything that is not an expert: attention, dense MLPs, the input and
+        output embeddings (one matrix if ``tied``). Biases, norms and learned
+        positions (~0.01 % at these sizes) are left out."""
         mlp = 0 if self.experts else self.mlp_params
-        return self.layers * (self.attention_params + mlp) + 2 * self.vocab * self.hidden
+        return (self.layers * (self.attention_params + mlp)
+                + (1 if self.tied else 2) * self.vocab * self.hidden)
 
     @property
     def n_params(self) -> int:
@@ -252,10 +254,10 @@ def flops_per_token(model: ModelSpec) -> float:
     6 N: a multiply-add (2 FLOPs) per parameter forward, twice that backward
     (Kaplan et al. 2020, sec. 2.1). 12 l h s: the two attention matmuls (QK^T and
     attention x V), 4 l h s forward, counted over the full s x s square as the
-    papers do. For a GPT with N = 12 l h^2 + 2 V h this is Narayanan et al. 2021,
-    eq. 3 divided by B s tokens, with 3/4 of their 96 (they include a full
-    recompute's extra forward); ``tp_layer_compute_time`` (ch. 09) is the same
-    count per layer.
+    papers do. For a GPT with tied embeddings, N = 12 l h^2 + V h, this is
+    Narayanan et al. 2021, eq. 3 divided by B s tokens, with 3/4 of their 96
+    (they include a full recompute's extra forward); ``tp_layer_compute_time``
+    (ch. 09) is the same count per layer.
     """
     return 6 * model.active_params + 12 * model.layers * model.hidden * model.seq
 
@@ -590,10 +592,11 @@ class Plan:
         return sorted(counts.items(), key=lambda kv: -kv[1])[:k]
 
     def decide(self, a: Estimate, b: Estimate) -> tuple[str, float]:
-        """(term, seconds): the term of the step-time difference b - a with the largest
-        magnitude: what makes b slower (or faster) than a."""
+        """(term, seconds): the term in which b pays most over a (the largest
+        b - a): what makes b slower than a. The other terms' differences may
+        partly offset it; all of them sum to b.step_time - a.step_time."""
         diffs = {t: b.time.get(t, 0.0) - a.time.get(t, 0.0) for t in TERMS}
-        term = max(diffs, key=lambda t: abs(diffs[t]))
+        term = max(diffs, key=diffs.get)
         return term, diffs[term]
 
     def explain(self, est: Estimate | None = None) -> str:
