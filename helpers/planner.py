@@ -79,7 +79,7 @@ from helpers.topology.links import Topology
 
 __all__ = ["ModelSpec", "GPU", "Layout", "Estimate", "Plan", "plan", "evaluate",
            "flops_per_token", "structures", "H100_80GB", "A100_80GB", "TERMS", "MEMORY_TERMS",
-           "CHAPTER"]
+           "CHAPTER", "rungs", "ladder"]
 
 MEMORY_TERMS = ("weights", "grads", "optimizer", "activations")
 TERMS = ("compute", "bubble", "tp_comm", "pp_p2p", "cp_comm", "ep_comm", "dp_comm")
@@ -518,13 +518,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def structures(model: ModelSpec, topology: Topology, *, cp_sizes: Iterable[int] | None = None,
+def structures(model: ModelSpec, topology: Topology, *, tp_sizes: Iterable[int] | None = None,
+               pp_sizes: Iterable[int] | None = None, cp_sizes: Iterable[int] | None = None,
                ep_sizes: Iterable[int] | None = None) -> list[tuple[int, int, int, int, int]]:
     """Every (dp, tp, pp, cp, ep) with dp x tp x pp x cp = world.
 
-    ``cp_sizes`` / ``ep_sizes``: None means every divisor that could work (CP sizes
-    that divide the sequence; EP sizes that divide the experts, 1 for a dense model)."""
+    ``*_sizes``: None means every divisor that could work (CP sizes that divide
+    the sequence; EP sizes that divide the experts, 1 for a dense model); a
+    tuple restricts that axis (``(1,)`` switches it off)."""
     world = topology.world_size
+    tps = _divisors(world) if tp_sizes is None else [t for t in tp_sizes if world % t == 0]
+    pps = None if pp_sizes is None else set(pp_sizes)
     cps = ([c for c in _divisors(world) if model.seq % c == 0] if cp_sizes is None
            else list(cp_sizes))
     if ep_sizes is None:
@@ -532,7 +536,7 @@ def structures(model: ModelSpec, topology: Topology, *, cp_sizes: Iterable[int] 
     else:
         eps = list(ep_sizes)
     return [(world // (tp * pp * cp), tp, pp, cp, ep)
-            for tp in _divisors(world) for pp in _divisors(world // tp)
+            for tp in tps for pp in _divisors(world // tp) if pps is None or pp in pps
             for cp in cps if (world // (tp * pp)) % cp == 0 for ep in eps]
 
 
@@ -631,6 +635,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
          memory_fraction: float = 0.9, tie: float = 0.02,
          zero_stages: Iterable[int] = (0, 1, 2, 3), recomputes: Iterable[str] = RECOMPUTE_MODES,
          micro_batches: Iterable[int] = (1, 2, 4, 8), interleaves: Iterable[int] = (1, 2, 4, 8),
+         tp_sizes: Iterable[int] | None = None, pp_sizes: Iterable[int] | None = None,
          cp_sizes: Iterable[int] | None = None, ep_sizes: Iterable[int] | None = None) -> Plan:
     """Enumerate, check, estimate and rank every layout.
 
@@ -662,7 +667,8 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
                              for x in values):
             raise ValueError(f"{name} must be positive ints, got {values!r}")
     ranked, rejected = [], []
-    for st in structures(model, topology, cp_sizes=cp_sizes, ep_sizes=ep_sizes):
+    for st in structures(model, topology, tp_sizes=tp_sizes, pp_sizes=pp_sizes,
+                         cp_sizes=cp_sizes, ep_sizes=ep_sizes):
         rule, reason = _structure_rule(model, *st, global_batch, topology)
         if rule:
             rejected.append(Estimate(Layout(*st, zero_stages[0], recomputes[0], micro_batches[0]),
@@ -688,3 +694,35 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
         else:
             ranked.sort(key=lambda e: (e.step_time, e.layout.complexity()))
     return Plan(model, global_batch, gpu, topology, mfu, ranked, rejected)
+
+
+# ---------------------------------------------------------------------------
+# The course's order as a decision procedure
+# ---------------------------------------------------------------------------
+
+def rungs(model: ModelSpec, topology: Topology) -> list[tuple[str, dict]]:
+    """The course's escalation, each rung with the ``plan`` options it allows (each
+    rung keeps what the ones before it allowed). Recompute is allowed on every rung:
+    it is a knob of each GPU, not a parallel structure (ch. 13)."""
+    one = (1,)
+    base = dict(tp_sizes=one, pp_sizes=one, cp_sizes=one, ep_sizes=one, interleaves=one)
+    out = [("DP (ch. 02-05)", dict(base, zero_stages=(0,))),
+           ("+ ZeRO-1/2 (ch. 14)", dict(base, zero_stages=(0, 1, 2))),
+           ("+ ZeRO-3 / FSDP (ch. 15)", dict(base)),
+           ("+ TP inside a node (ch. 08-09)", dict(base, tp_sizes=None)),
+           ("+ PP across nodes (ch. 11-12)", dict(base, tp_sizes=None, pp_sizes=None,
+                                                  interleaves=(1, 2, 4, 8))),
+           ("+ CP (ch. 10)", dict(base, tp_sizes=None, pp_sizes=None, interleaves=(1, 2, 4, 8),
+                                  cp_sizes=None))]
+    if model.experts:
+        out.append(("+ EP (ch. 21)", dict(out[-1][1], ep_sizes=None)))
+    return out
+
+
+def ladder(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology,
+           **kwargs) -> list[tuple[str, Plan]]:
+    """Climb ``rungs`` in order and plan on each; the first rung whose plan has a
+    feasible layout is the smallest structure that fits. The rungs after it show
+    what more structure buys (or costs)."""
+    return [(name, plan(model, global_batch, gpu, topology, **(opts | kwargs)))
+            for name, opts in rungs(model, topology)]

@@ -21,7 +21,7 @@ import pytest
 from helpers.memory import training_memory
 from helpers.pipeline.partition import pipeline_step_time
 from helpers.planner import (A100_80GB, H100_80GB, TERMS, Layout, ModelSpec, _affine, _coll,
-                             evaluate, flops_per_token, plan, structures)
+                             evaluate, flops_per_token, ladder, plan, structures)
 from helpers.topology import a100_cluster, collective_cost, h100_cluster, pcie_cluster
 from helpers.tp.cost import tp_layer_comm_time, tp_layer_compute_time
 
@@ -276,3 +276,19 @@ def test_llama3_405b_layout_ranks_near_the_top(seq, batch, dp, cp, cps):
 def test_benchmark_refuses_bad_arguments(argv, message, load_bench):
     with pytest.raises(ValueError, match=message):
         load_bench("bench_planner").main(argv)
+
+
+def test_ladder_climbs_the_courses_order():
+    # 7B x 16 bytes = 108 GB: plain DP cannot hold it on 80 GB GPUs, ZeRO-1 over 8 can
+    steps = ladder(LLAMA_7B, 512, H100_80GB, h100_cluster(1))
+    names = [name.split(" (")[0] for name, _ in steps]
+    assert names == ["DP", "+ ZeRO-1/2", "+ ZeRO-3 / FSDP", "+ TP inside a node",
+                     "+ PP across nodes", "+ CP"]
+    assert not steps[0][1].ranked and steps[0][1].reasons()[0][0] == "memory"
+    assert steps[1][1].best.layout.zero in (1, 2) and steps[1][1].best.layout.tp == 1
+    # each rung allows what the ones below it did: its fastest is never slower
+    times = [min(e.step_time for e in p.ranked) for _, p in steps[1:]]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:]))
+    # the 70B model needs ZeRO-3 before anything fits on 64 GPUs without TP
+    steps = ladder(LLAMA_70B, 1024, H100_80GB, h100_cluster(8))
+    assert [bool(p.ranked) for _, p in steps[:3]] == [False, False, True]
