@@ -7,28 +7,31 @@ Given a model, a global batch, a GPU type and a cluster (chapter 07's
 
     world = dp x tp x pp x cp          (x ep carved out of dp x cp, for MoE)
 
-together with a ZeRO stage, a recompute mode and a micro-batch size. Each
-candidate goes through the checks in the course's order, and the first rule
-it breaks is recorded as its reason:
+together with the per-GPU choices: ZeRO stage, recompute mode, micro-batch
+size and pipeline interleaving (model chunks per rank). Each candidate goes
+through the rules in the course's order, and the first rule it breaks is
+recorded as its reason (``Estimate.rule``, ``Estimate.reason``):
 
     1. TP inside a node         tp <= GPUs per node (ch. 09: four all-reduces
                                 per layer, unhidden, want NVLink)
-    2. shapes divide            heads % tp, kv_heads % tp, layers % pp,
-                                seq % cp, experts % ep (ch. 08-12, 21)
+    2. shapes divide            heads and kv_heads % tp, layers % pp (or
+                                layers + 2, Llama 3's embedding and loss
+                                stages), seq % cp, experts % ep (ch. 08-12, 21)
     3. batch divides            global batch % dp, then % micro-batch (ch. 05)
     4. memory fits              weights + grads + optimizer + activations
-                                <= usable GPU memory (ch. 06, 13, 14)
+                                <= ``memory_fraction`` of the GPU (ch. 06, 13, 14)
 
 The survivors get a step-time estimate, one term per mechanism, each from the
-chapter's own cost model (nothing here re-derives a formula that lives there):
+chapter's own cost model (``helpers.memory``, ``helpers.topology``'s
+``collective_cost``, ``helpers.pipeline``'s ``bubble_formula``):
 
     compute        model FLOPs at an assumed MFU, + recompute's extra forward
                    (ch. 01, 13; FLOPs: Narayanan et al. 2021 eq. 3)
-    bubble         1F1B/GPipe fill and drain: ``pipeline_step_time`` (ch. 11-12)
+    bubble         fill and drain, (p-1)/(v m + p-1) of the step (ch. 11-12)
     tp_comm        4 all-reduces per layer per micro-batch (6 with full
-                   recompute) on the node's link: ``collective_cost`` (ch. 07-09)
+                   recompute) on the node's link (ch. 07-09)
     pp_p2p         an activation forward and a gradient backward per
-                   micro-batch across the stage boundary (ch. 11)
+                   micro-batch and chunk across a stage boundary (ch. 11)
     cp_comm        the all-gather of K and V (and reduce-scatter of their
                    gradients) per layer, Llama 3's CP (ch. 10)
     ep_comm        4 all-to-alls per MoE layer per micro-batch (ch. 21)
@@ -36,33 +39,40 @@ chapter's own cost model (nothing here re-derives a formula that lives there):
                    exposed only where it outlasts the backward it overlaps
                    (ch. 04, 14-16)
 
-and the candidates are ranked by step time (ties to the simpler structure).
-``Plan.explain`` walks the winner term by term; ``Plan.decide`` names the
-term that separates two layouts.
+Ranking: by step time, except that layouts within ``tie`` (2 %) of each other
+go to the simpler structure (``Layout.complexity``: no EP before EP, no CP
+before CP, fewer stages, less TP, lower ZeRO stage): an assumed MFU cannot
+resolve a difference of a percent. ``Plan.explain`` walks one layout term by
+term, ``Plan.decide`` names the term in which one layout pays most over
+another, and ``ladder`` plans rung by rung up the course's order (DP, ZeRO-1/2,
+ZeRO-3, TP in a node, PP across nodes, CP, EP): the first rung with a feasible
+layout is the smallest structure that fits.
 
 Why enumerate instead of a rule of thumb
 ----------------------------------------
-The rule of thumb (the course's order: DP, then ZeRO/FSDP, then TP inside a
-node, then PP across nodes, then SP/CP, then EP) is the *shape* of the answer;
-which rung you stop on depends on numbers: a 7B model fits on one 80 GB GPU
-only with ZeRO, a 70B model needs TP or PP before anything else matters, and
+The rule of thumb (the course's order) is the *shape* of the answer; which
+rung you stop on depends on numbers: a 7B model fits on 80 GB GPUs only with
+ZeRO, a 70B model needs its weights sharded before anything else matters, and
 the micro-batch trades the pipeline bubble against activation memory. A 1024
-GPU cluster has a few thousand candidates; the checks are cheap and every cost
-term is cached on the few degrees it depends on, so the whole enumeration
-takes well under a second (``benchmarks/bench_planner.py``).
+GPU cluster has ~13,000 candidates; the rules are cheap, shape rules reject a
+whole structure at once, and every cost is cached on the few degrees it
+depends on, so the enumeration costs well under a second of CPU
+(``benchmarks/bench_planner.py``).
 
 Cost and how production differs
 --------------------------------
 This is a model with an assumed MFU, not a measurement. What it leaves out:
 kernel efficiency that falls with smaller micro-batches or thinner TP shards
-(so it likes micro-batch 1 more than practice does), the interleaved schedule
-(v > 1), uneven first/last stages (the embedding and the loss), communication
-that contends with compute, the 20-40 % of memory real frameworks lose to
-buffers and fragmentation (``memory_fraction`` reserves a share for that), and
-stragglers. Real planners (Alpa, Galvatron, Megatron's and torchtitan's
-recipes, or an afternoon of short benchmark runs) either search with measured
-per-operator costs or start from a published recipe and measure; this one is
-for seeing *why* a recipe looks the way it does.
+(so it likes micro-batch 1 more than practice does), activations of SwiGLU and
+MoE layers (Korthikanti's count is a GPT layer's), uneven stages beyond the
+embedding/loss rule, ZeRO-3's gathered-weight buffers, communication that
+contends with compute or with other axes on the same NIC, the memory real
+frameworks lose to buffers and fragmentation (``memory_fraction`` reserves a
+share), the value of memory headroom, and stragglers. Real planners (Alpa,
+Galvatron, the recipes of Megatron-LM and torchtitan, or a few hundred steps
+of each shortlisted layout) search with measured per-operator costs or start
+from a published recipe and measure; this one is for seeing *why* a recipe
+looks the way it does.
 """
 
 from __future__ import annotations
@@ -70,7 +80,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from helpers.memory import GB, RECOMPUTE_MODES, activation_bytes_model, model_state_bytes
 from helpers.pipeline.simulate import bubble_formula
