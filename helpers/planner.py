@@ -454,7 +454,9 @@ def _time(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topo
     ep = 0.0
     if lay.ep > 1:
         nbytes = tokens_mb * model.top_k * h * BF16 / lay.tp
-        ep = 4 * (L // lay.pp) * m * _coll(topo, "all_to_all", nbytes, lay.ep, lay.tp * lay.cp)
+        # the EP group: ep consecutive members of the dp x cp group (stride tp), so
+        # that the ranks sharing an expert are every ep-th member (``_dp_exposed``)
+        ep = 4 * (L // lay.pp) * m * _coll(topo, "all_to_all", nbytes, lay.ep, lay.tp)
     dp = _dp_exposed(model, lay, topo, compute / m, m)
     return {"compute": compute, "bubble": bubble, "tp_comm": tp, "pp_p2p": p2p, "cp_comm": cp,
             "ep_comm": ep, "dp_comm": dp}
