@@ -132,6 +132,11 @@ class ModelSpec:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"model {self.name!r}: {f} must be a positive int, got {v!r}")
+        for f in ("ffn", "kv_heads"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"model {self.name!r}: {f} must be None or a positive int, "
+                                 f"got {v!r}")
         if self.hidden % self.heads:
             raise ValueError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
                              f"heads={self.heads}")
@@ -213,6 +218,17 @@ class Layout:
     micro_batch: int = 1
     interleave: int = 1       # virtual pipeline stages (model chunks) per rank, ch. 12
 
+    def __post_init__(self):
+        for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "interleave"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{f} must be a positive int, got {v!r}")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Layout.zero must be the ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"Layout.recompute must be one of {RECOMPUTE_MODES}, "
+                             f"got {self.recompute!r}")
+
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
@@ -267,9 +283,11 @@ def flops_per_token(model: ModelSpec) -> float:
     papers do. For a GPT with tied embeddings, N = 12 l h^2 + V h, this is
     Narayanan et al. 2021, eq. 3 divided by B s tokens, with 3/4 of their 96
     (they include a full recompute's extra forward); ``tp_layer_compute_time``
-    (ch. 09) is the same count per layer.
+    (ch. 09) is the same count per layer. The input embedding is a lookup, not a
+    matmul: an untied model's input matrix is not counted.
     """
-    return 6 * model.active_params + 12 * model.layers * model.hidden * model.seq
+    matmul_params = model.active_params - (0 if model.tied else model.vocab * model.hidden)
+    return 6 * matmul_params + 12 * model.layers * model.hidden * model.seq
 
 
 def _recompute_factor(model: ModelSpec, recompute: str) -> float:

@@ -292,3 +292,26 @@ def test_ladder_climbs_the_courses_order():
     # the 70B model needs ZeRO-3 before anything fits on 64 GPUs without TP
     steps = ladder(LLAMA_70B, 1024, H100_80GB, h100_cluster(8))
     assert [bool(p.ranked) for _, p in steps[:3]] == [False, False, True]
+
+
+def test_spec_and_layout_refuse_bad_values():
+    with pytest.raises(ValueError, match="heads=7"):
+        ModelSpec("m", 4, 64, 7, 100, 16)
+    with pytest.raises(ValueError, match="8 query heads do not group over 3"):
+        ModelSpec("m", 4, 64, 8, 100, 16, kv_heads=3)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelSpec("m", 4, 64, 8, 100, 16, experts=4, top_k=5)
+    with pytest.raises(ValueError, match="Layout.tp must be a positive int"):
+        Layout(8, 0, 1)
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        Layout(8, 1, 1, zero=True)
+    with pytest.raises(ValueError, match="recompute"):
+        Layout(8, 1, 1, recompute="some")
+
+
+def test_untied_input_embedding_is_not_counted_as_flops():
+    # the lookup costs no matmul: an untied model's FLOPs equal the tied one's
+    tied = ModelSpec("t", 4, 64, 8, 1000, 16, tied=True)
+    untied = ModelSpec("u", 4, 64, 8, 1000, 16)
+    assert untied.n_params == tied.n_params + 1000 * 64
+    assert flops_per_token(untied) == flops_per_token(tied)
