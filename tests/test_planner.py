@@ -1,0 +1,317 @@
+"""helpers.planner: its terms equal the chapters' cost models, its rejections name the
+right rule, and published layouts are feasible and rank near the top.
+
+Published layouts:
+* Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC21), Table 1: GPT models on Selene (DGX A100
+  80 GB, 8 HDR InfiniBand NICs per node), sequence 2048, vocabulary 51,200.
+* Dubey et al. 2024 ("The Llama 3 Herd of Models"), sec. 3.3.2 and Table 4:
+  Llama 3 405B on 16,384 H100s, TP 8, PP 16, DP 128 at 8k tokens (CP 1); at
+  131,072 tokens CP 16 and DP 8. (Table 3: 126 layers, model dimension 16,384,
+  FFN 53,248, 128 heads, 8 key/value heads, vocabulary 128,000.)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from helpers.memory import training_memory
+from helpers.pipeline.partition import pipeline_step_time
+from helpers.planner import (A100_80GB, H100_80GB, TERMS, Layout, ModelSpec, _affine, _coll,
+                             evaluate, flops_per_token, ladder, plan, structures)
+from helpers.topology import a100_cluster, collective_cost, h100_cluster, pcie_cluster
+from helpers.tp.cost import tp_layer_comm_time, tp_layer_compute_time
+
+# (params in B, heads, hidden, layers, TP, PP, GPUs, batch): Narayanan et al. 2021, Table 1
+NARAYANAN = [
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072),
+]
+
+
+def gpt(params_b, heads, hidden, layers):
+    return ModelSpec(f"GPT {params_b}B", layers, hidden, heads, 51200, 2048, tied=True)
+
+
+def llama405(seq):
+    return ModelSpec("Llama 3 405B", 126, 16384, 128, 128000, seq, ffn=53248, kv_heads=8,
+                     gated=True)
+
+
+LLAMA_7B = ModelSpec("7B", 32, 4096, 32, 32000, 4096, ffn=11008, gated=True)
+LLAMA_70B = ModelSpec("70B", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8, gated=True)
+
+
+# --- the model's inputs and terms against the chapters' own formulas ----------------------
+
+@pytest.mark.parametrize("row", NARAYANAN)
+def test_parameter_count_matches_table_1(row):
+    # Table 1's counts include biases, norms and learned positions (~13 l h + s h),
+    # which ModelSpec leaves out: ours is smaller by less than 0.1 %.
+    params_b, heads, hidden, layers = row[:4]
+    n = gpt(params_b, heads, hidden, layers).n_params
+    assert n < params_b * 1e9 and n == pytest.approx(params_b * 1e9, rel=1e-3)
+
+
+def test_llama3_405b_parameter_count():
+    # Dubey et al. 2024 call it 405B; GQA and SwiGLU counted, untied embeddings
+    assert llama405(8192).n_params == pytest.approx(405e9, rel=0.005)
+
+
+def test_flops_per_token_is_chapter_09s_count_plus_the_output_layer():
+    # Narayanan eq. 3 without recompute: 72 tokens h^2 (1 + s/6h) per layer
+    # (tp_layer_compute_time at 1 FLOP/s gives FLOPs) + 6 V h per token for the
+    # logits. Same products in another order: equal to a few ulps (rel 1e-12).
+    m = gpt(*NARAYANAN[0][:4])
+    tokens = 8 * m.seq
+    layers = m.layers * tp_layer_compute_time(m.hidden, tokens, m.seq, 1, flops=1.0)
+    assert flops_per_token(m) * tokens == pytest.approx(layers + 6 * m.vocab * m.hidden * tokens,
+                                                        rel=1e-12)
+
+
+@pytest.mark.parametrize("lay", [Layout(8, 8, 4, zero=0, recompute="selective", micro_batch=2),
+                                 Layout(64, 2, 2, zero=1, recompute="full", micro_batch=1),
+                                 Layout(256, 1, 1, zero=3, recompute="none", micro_batch=1)])
+def test_memory_terms_are_training_memory(lay):
+    # the planner calls training_memory's two halves with their own caches: the same
+    # arithmetic, so exact equality
+    m = LLAMA_70B
+    e = evaluate(m, lay, 1024, H100_80GB, h100_cluster(32), memory_fraction=1e9)
+    want = training_memory(m.dense_params, seq=m.seq, micro_batch=lay.micro_batch,
+                           hidden=m.hidden, heads=m.heads, layers=m.layers, vocab=m.vocab,
+                           zero_stage=lay.zero, dp=lay.dp, tp=lay.tp, pp=lay.pp,
+                           sequence_parallel=lay.tp > 1, recompute=lay.recompute)
+    assert e.feasible, e.reason
+    for part in ("weights", "grads", "optimizer", "activations"):
+        assert e.memory[part] == want[part], part
+
+
+def test_bubble_and_tp_terms_are_chapters_11_and_09s_models():
+    m, lay = LLAMA_70B, Layout(16, 8, 4, recompute="selective", micro_batch=1)
+    topo = h100_cluster(64)
+    e = evaluate(m, lay, 512, H100_80GB, topo)
+    n_mb = 512 // 16
+    # ch. 11: (m-1) max + sum over p equal stages; rel 1e-12: the same ratio computed
+    # by another order of operations
+    compute = e.time["compute"]
+    assert e.time["bubble"] == pytest.approx(
+        pipeline_step_time([compute / n_mb] * 4, n_mb) - compute, rel=1e-12)
+    # ch. 09: 4 ring all-reduces per layer on NVLink (the 8 TP ranks share a node)
+    per_layer = tp_layer_comm_time(m.hidden, m.seq, 8, topo.intra)
+    assert e.time["tp_comm"] == pytest.approx(per_layer * (m.layers // 4) * n_mb, rel=1e-12)
+
+
+def test_affine_collective_times_equal_collective_cost():
+    # every ch. 07 model is sum of (alpha + n/beta) steps: two calls give all sizes;
+    # rel 1e-9 covers the rounding of (t(1 GB) - t(0)) / 1 GB
+    topo = h100_cluster(16)
+    rng = random.Random(0)
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        for size, stride in ((16, 8), (32, 4), (8, 1), (128, 1)):
+            nbytes = rng.uniform(1e3, 1e11)
+            ranks = list(range(0, size * stride, stride))
+            want = collective_cost(topo, coll, nbytes, ranks, "hierarchical").time
+            assert _coll(topo, coll, nbytes, size, stride) == pytest.approx(want, rel=1e-9)
+    a, b = _affine(topo, "all_reduce", 16, 8)
+    assert a > 0 and b > 0
+
+
+def test_uneven_group_uses_the_flat_ring():
+    # 20 consecutive GPUs on 8-GPU nodes (8, 8, 4): the ring model over 20 GPUs crossing nodes
+    # the flat ring's time depends on P and on crossing nodes, not on the split
+    topo = a100_cluster(8)
+    want = collective_cost(topo, "all_reduce", 1e9, [n * 8 + i for n in range(5) for i in range(4)],
+                           "ring").time
+    assert want == collective_cost(a100_cluster(20), "all_reduce", 1e9, list(range(0, 160, 8)),
+                                   "ring").time
+    assert _coll(topo, "all_reduce", 1e9, 20, 1) == pytest.approx(want, rel=1e-9)
+
+
+def test_structures_multiply_to_the_world_without_duplicates():
+    topo = h100_cluster(8)   # 64 GPUs = 2^6
+    got = structures(LLAMA_7B, topo)
+    assert all(dp * tp * pp * cp == 64 for dp, tp, pp, cp, _ in got)
+    assert len(set(got)) == len(got)
+    # ordered factorizations of 2^6 into 4 factors: C(6 + 3, 3) = 84 (every CP size
+    # divides the 4096-token sequence)
+    assert len(got) == math.comb(9, 3)
+
+
+# --- rejections name the rule ----------------------------------------------------------------
+
+def reject(model, lay, batch=1024, topo=None, gpu=H100_80GB):
+    e = evaluate(model, lay, batch, gpu, topo or h100_cluster(lay.world // 8 or 1))
+    assert not e.feasible
+    return e
+
+
+def test_tp_across_nodes_is_rejected():
+    e = reject(LLAMA_70B, Layout(8, 16, 1))
+    assert e.rule == "tp-crosses-node" and "tp=16 > 8 GPUs per node" in e.reason
+    # the same TP fits a 16-GPU node
+    ok = evaluate(LLAMA_70B, Layout(8, 16, 1, zero=3, recompute="full"), 1024, H100_80GB,
+                  pcie_cluster(8, gpus_per_node=16))
+    assert ok.rule != "tp-crosses-node"
+
+
+def test_shape_and_batch_rules():
+    m = ModelSpec("odd", 29, 4000, 20, 32000, 2048)
+    e = reject(m, Layout(8, 8, 1))
+    assert e.rule == "heads" and "20 heads do not divide over tensor-parallel size 8" in e.reason
+    assert reject(m, Layout(16, 1, 4)).rule == "layers"   # neither 29 nor 29 + 2 splits over 4
+    # Llama 3's 126 layers on 16 stages: 126 + 2 = 128 (embedding and loss as a layer each)
+    assert evaluate(llama405(8192), Layout(128, 8, 16, zero=1, recompute="full"), 2048, H100_80GB,
+                    h100_cluster(2048)).feasible
+    assert reject(LLAMA_7B, Layout(8, 1, 1), batch=100).rule == "batch"
+    assert reject(LLAMA_7B, Layout(8, 1, 1, micro_batch=8), batch=32).rule == "micro-batch"
+    assert reject(LLAMA_70B, Layout(8, 1, 1, 8, recompute="none")).rule == "cp-recompute"
+    assert reject(LLAMA_70B, Layout(8, 8, 1, interleave=2)).rule == "interleave"
+    e = evaluate(LLAMA_7B, Layout(4, 1, 1), 1024, H100_80GB, h100_cluster(1))
+    assert e.rule == "world" and "is not the 8 GPUs" in e.reason
+
+
+def test_memory_rejection_names_the_largest_term():
+    # 70B, no sharding: 16 bytes/param on 8-way TP = 140 GB, optimizer 105 GB of it
+    e = reject(LLAMA_70B, Layout(8, 8, 1, zero=0, recompute="full"), topo=h100_cluster(8))
+    assert e.rule == "memory" and "largest term: optimizer" in e.reason
+    # 7B at 32k tokens, no recompute, ZeRO-3 over 8: activations dominate
+    long7 = ModelSpec("7B-32k", 32, 4096, 32, 32000, 32768)
+    e = reject(long7, Layout(8, 1, 1, zero=3, recompute="none"), topo=h100_cluster(1))
+    assert e.rule == "memory" and "largest term: activations" in e.reason
+
+
+def test_moe_experts_split_over_ep():
+    moe = ModelSpec("MoE", 16, 2048, 16, 32000, 2048, experts=8, top_k=2)
+    topo = h100_cluster(2)
+    one = evaluate(moe, Layout(16, 1, 1, ep=1, zero=1), 256, H100_80GB, topo)
+    four = evaluate(moe, Layout(16, 1, 1, ep=4, zero=1), 256, H100_80GB, topo)
+    assert one.feasible and four.feasible
+    # 16 bytes/param (ZeRO-1: 4 + 12/dp) of the experts: ep=4 keeps a quarter of them
+    assert four.memory["weights"] < one.memory["weights"]
+    assert four.time["ep_comm"] > 0 == one.time["ep_comm"]
+    assert reject(moe, Layout(16, 1, 1, ep=3), topo=topo).rule == "experts"
+
+
+def test_plan_arguments_and_no_feasible_layout():
+    topo = h100_cluster(1)
+    for kwargs, msg in ((dict(global_batch=0), "global_batch"), (dict(mfu=0), "mfu"),
+                        (dict(zero_stages=(4,)), "ZeRO stage"),
+                        (dict(recomputes=("some",)), "recompute"),
+                        (dict(micro_batches=(0,)), "micro-batch")):
+        args = dict(model=LLAMA_7B, global_batch=64, gpu=H100_80GB, topology=topo) | kwargs
+        with pytest.raises(ValueError, match=msg):
+            plan(**args)
+    p = plan(gpt(1008.0, 160, 25600, 128), 64, H100_80GB, topo)
+    assert not p.ranked
+    with pytest.raises(ValueError, match="no layout of GPT 1008.0B fits 8 x"):
+        p.best
+
+
+def test_decide_splits_the_step_time_difference_into_terms():
+    p = plan(LLAMA_70B, 512, H100_80GB, h100_cluster(8))
+    a, b = p.ranked[0], p.ranked[-1]
+    term, diff = p.decide(a, b)
+    # the terms sum to the step time, so their differences sum to the step difference
+    assert sum(b.time[t] - a.time[t] for t in TERMS) == pytest.approx(b.step_time - a.step_time)
+    assert diff == max(b.time[t] - a.time[t] for t in TERMS) > 0
+    assert p.explain().count("GB") >= 5 and term in TERMS
+
+
+# --- published layouts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("row", NARAYANAN, ids=lambda r: f"{r[0]}B")
+def test_narayanan_table_1_layouts_rank_near_the_top(row):
+    params_b, heads, hidden, layers, t, p, n, batch = row
+    m = gpt(params_b, heads, hidden, layers)
+    topo = a100_cluster(n // 8)
+    dp = n // (t * p)
+    # The options Megatron-LM had in 2021: no distributed optimizer (ZeRO-0), no CP
+    # (both came later); interleaving, recompute and micro-batch free.
+    paper = plan(m, batch, A100_80GB, topo, zero_stages=(0,), cp_sizes=(1,))
+    e = paper.find(dp, t, p)
+    assert e.feasible, e.reason
+    rank = paper.rank_of(dp, t, p)
+    print(f"\n{params_b}B: DP{dp} x TP{t} x PP{p} ranks {rank} of {len(paper.structures())} "
+          f"structures with 2021's options; best {paper.best.layout.short()}")
+    assert rank <= 3
+    # Everything allowed: still feasible; where another structure wins, name the term
+    full = plan(m, batch, A100_80GB, topo, cp_sizes=(1,))
+    e = full.find(dp, t, p)
+    assert e.feasible
+    term, diff = full.decide(full.best, e)
+    print(f"  all options: rank {full.rank_of(dp, t, p)} of {len(full.structures())}; best "
+          f"{full.best.layout.short()}; the published layout is slower by {diff:+.2f} s of {term}")
+    assert e.step_time >= full.best.step_time * (1 - 0.02)   # the band: ties to simpler
+
+
+@pytest.mark.parametrize("seq, batch, dp, cp, cps", [
+    (8192, 2048, 128, 1, (1,)),                    # pretraining, Table 4 rows 2
+    (131072, 128, 8, 16, (1, 2, 4, 8, 16)),        # long context, Table 4 row 3
+])
+def test_llama3_405b_layout_ranks_near_the_top(seq, batch, dp, cp, cps):
+    # 16,384 H100s = 2048 DGX-like nodes; ZeRO-1/2: Llama 3 shards optimizer state and
+    # gradients but keeps the weights after forward (sec. 3.3.2)
+    p = plan(llama405(seq), batch, H100_80GB, h100_cluster(2048), zero_stages=(1, 2),
+             cp_sizes=cps)
+    e = p.find(dp, 8, 16, cp)
+    assert e.feasible, e.reason
+    rank = p.rank_of(dp, 8, 16, cp)
+    term, diff = p.decide(p.best, e)
+    print(f"\nLlama 3 405B at {seq}: DP{dp} x TP8 x PP16 x CP{cp} ranks {rank} of "
+          f"{len(p.structures())}; best {p.best.layout.short()}; published slower by "
+          f"{diff:+.2f} s of {term}")
+    assert rank <= 5
+    # the published layout is wrong on anything else: TP 16 crosses the node
+    assert p.find(dp // 2, 16, 16, cp).rule == "tp-crosses-node"
+
+
+@pytest.mark.parametrize("argv, message", [(["--gpus", "12"], "multiples of 8"),
+                                           (["--gpus", "a"], "comma-separated ints"),
+                                           (["--reps", "0"], "--reps must be >= 1")])
+def test_benchmark_refuses_bad_arguments(argv, message, load_bench):
+    with pytest.raises(ValueError, match=message):
+        load_bench("bench_planner").main(argv)
+
+
+def test_ladder_climbs_the_courses_order():
+    # 7B x 16 bytes = 108 GB: plain DP cannot hold it on 80 GB GPUs, ZeRO-1 over 8 can
+    steps = ladder(LLAMA_7B, 512, H100_80GB, h100_cluster(1))
+    names = [name.split(" (")[0] for name, _ in steps]
+    assert names == ["DP", "+ ZeRO-1/2", "+ ZeRO-3 / FSDP", "+ TP inside a node",
+                     "+ PP across nodes", "+ CP"]
+    assert not steps[0][1].ranked and steps[0][1].reasons()[0][0] == "memory"
+    assert steps[1][1].best.layout.zero in (1, 2) and steps[1][1].best.layout.tp == 1
+    # each rung allows what the ones below it did: its fastest is never slower
+    times = [min(e.step_time for e in p.ranked) for _, p in steps[1:]]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:]))
+    # the 70B model needs ZeRO-3 before anything fits on 64 GPUs without TP
+    steps = ladder(LLAMA_70B, 1024, H100_80GB, h100_cluster(8))
+    assert [bool(p.ranked) for _, p in steps[:3]] == [False, False, True]
+
+
+def test_spec_and_layout_refuse_bad_values():
+    with pytest.raises(ValueError, match="heads=7"):
+        ModelSpec("m", 4, 64, 7, 100, 16)
+    with pytest.raises(ValueError, match="8 query heads do not group over 3"):
+        ModelSpec("m", 4, 64, 8, 100, 16, kv_heads=3)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelSpec("m", 4, 64, 8, 100, 16, experts=4, top_k=5)
+    with pytest.raises(ValueError, match="Layout.tp must be a positive int"):
+        Layout(8, 0, 1)
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        Layout(8, 1, 1, zero=True)
+    with pytest.raises(ValueError, match="recompute"):
+        Layout(8, 1, 1, recompute="some")
+
+
+def test_untied_input_embedding_is_not_counted_as_flops():
+    # the lookup costs no matmul: an untied model's FLOPs equal the tied one's
+    tied = ModelSpec("t", 4, 64, 8, 1000, 16, tied=True)
+    untied = ModelSpec("u", 4, 64, 8, 1000, 16)
+    assert untied.n_params == tied.n_params + 1000 * 64
+    assert flops_per_token(untied) == flops_per_token(tied)
