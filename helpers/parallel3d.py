@@ -353,6 +353,7 @@ class CapstoneResult:
     loss_bound: float               # the same kind of bound, for the losses
     mesh_dims: tuple[str, ...]      # names given to init_device_mesh, slowest first
     step_time_s: float              # mean step time (slowest rank), after the first step
+    step_times_s: list[float]       # every step's time (slowest rank), the first included
     reference_step_time_s: float    # the same for the single-process float32 run
     layout: Layout
     ranks: list[dict]               # each rank's mesh coordinate, as the run reported it
@@ -425,7 +426,7 @@ def run_capstone(dp: int = 2, tp: int = 2, pp: int = 2, steps: int = 3, seed: in
                                     for a, b in zip(ref32_losses, ref64_losses))
     step_times = [max(r["times"][i] for r in results) for i in range(layout.steps)]
     return CapstoneResult(losses, ref32_losses, max_grad_diff, bound, loss_diff, loss_bound,
-                          layout.mesh_dims, _mean_step_time(step_times),
+                          layout.mesh_dims, _mean_step_time(step_times), step_times,
                           _mean_step_time(ref_times), layout,
                           [{"rank": i, **{n: r["coord"][n] for n in ("dp", "tp", "pp")}}
                            for i, r in enumerate(results)])
