@@ -7,7 +7,7 @@ multiplies throughput but copies the whole model; tensor parallelism (ch. 08-09)
 splits each layer's matrices so a layer fits; pipeline parallelism (ch. 11-12)
 cuts the model by depth so the stack fits. Large runs use all three at once
 (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", SC21, sec. 2.3 and 3): ``dp * tp * pp`` ranks,
+Clusters Using Megatron-LM", SC21, sec. 2 and 3): ``dp * tp * pp`` ranks,
 every rank holding one TP shard of one pipeline stage of one replica.
 
 This module composes the course's own pieces, nothing new inside them:
@@ -36,9 +36,13 @@ a real cluster consecutive ranks share a node, so the innermost axis gets the
 NVLink. TP all-reduces whole activations 4 times per block on the critical
 path (ch. 09), PP sends one activation per micro-batch per stage boundary, DP
 all-reduces the gradients once per step (overlappable): so TP goes innermost
-(Narayanan et al. 2021, sec. 3.3, "Takeaway #1": TP up to the GPUs of one
-server; Megatron-LM's default order "tp-cp-ep-dp-pp" and torchtitan's mesh
-(..., "dp", "cp", "tp") both put TP fastest). With dp = tp = pp = 2:
+(Narayanan et al. 2021, sec. 3.3, Takeaway #1: tensor parallelism up to the
+GPUs of one server, pipeline parallelism across servers). Megatron-LM's rank
+order "tp-cp-ep-dp-pp" (fastest first) and torchtitan's mesh ("pp",
+"dp_replicate", "dp_shard", "cp", "tp") both put TP fastest and PP slowest;
+here DP is the outermost axis (the mesh's first name). On one 8-rank node
+that changes nothing; on a cluster it decides whether the slowest link
+carries DP's once-per-step all-reduce or PP's activations. With dp = tp = pp = 2:
 
     mesh (dp, pp, tp), the default        mesh (dp, tp, pp)
     rank  dp pp tp                         rank  dp tp pp
@@ -63,7 +67,7 @@ TP: 4 all-reduces of (b, T, h) per block per micro-batch (2 forward, 2
 backward), 1 for the embedding, 1 for the head, 3 small ones for the loss;
 PP: 1 send of (b, T, h) forward and 1 backward per micro-batch per stage
 boundary, plus the tied weight's gradient between the first and last stage;
-DP: 1 all-reduce of this rank's gradient shard, 1/(tp*pp) of the model.
+DP: 1 all-reduce of this rank's gradients, about 1/(tp*pp) of the model's.
 
 Cost
 ----
