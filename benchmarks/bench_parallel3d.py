@@ -85,8 +85,8 @@ def main(argv=None) -> int:
 
     one = launch(_plain_steps, 1, layout, False, timeout=600)[0]
     ddp = launch(_plain_steps, world, layout, True, timeout=600)
-    r3d = run_capstone(args.dp, args.tp, args.pp, steps=args.steps, micro_batches=args.micro_batches,
-                       size=args.size, batch=args.batch, seq=args.seq, timeout=600)
+    r3d = run_capstone(args.dp, args.tp, args.pp, steps=args.steps,
+                       micro_batches=args.micro_batches, size=args.size, batch=args.batch, seq=args.seq, timeout=600)
     t1 = _median_after_warmup(one["times"])
     tddp = _median_after_warmup([max(r["times"][i] for r in ddp) for i in range(args.steps)])
     t3d = _median_after_warmup(r3d.step_times_s)
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     ddp_same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ddp_loss, one["losses"]))
 
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; one process on "
-          f"{one['threads']} thread(s), each of {world} ranks on {ddp[0]['threads']}; model {args.size}, "
+          f"{one['threads']} thread(s), each of {world} ranks on {ddp[0]['threads']}; "
+          f"model {args.size}, "
           f"global batch {args.batch} x {args.seq} tokens, {args.steps - 1} timed steps; "
           f"3-D: dp x tp x pp = {args.dp} x {args.tp} x {args.pp}, mesh {r3d.mesh_dims}, "
           f"1F1B, {args.micro_batches} micro-batches")

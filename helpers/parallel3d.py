@@ -112,7 +112,8 @@ from helpers.tp import (ColumnParallelLinear, VocabParallelEmbedding, gather_den
 from helpers.tp.transformer import _tied_head
 
 __all__ = ["run_capstone", "CapstoneResult", "Layout", "build_mesh", "apply_tp",
-           "sync_data_parallel", "sgd_step", "train_3d", "reference_run", "capstone_batches", "rank_table"]
+           "sync_data_parallel", "sgd_step", "train_3d", "reference_run", "capstone_batches",
+           "rank_table"]
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 OMIT = (None, "dp", "tp", "tied")  # what a broken run may leave out (tests, experiments)
