@@ -4,7 +4,8 @@
 
 Same model (the course GPT), same global batch, same SGD step, one run:
 
-* one process: the whole batch on one rank (all the machine's cores);
+* one process: the whole batch on one rank, once with all the machine's cores as
+  intra-op threads and once with one thread (ratios "/ 1 proc" are to the faster);
 * torch DDP: ``torch.nn.parallel.DistributedDataParallel`` on dp * tp * pp ranks,
   each with batch / ranks sequences (pure data parallelism, the whole model per rank);
 * 3-D: ``helpers.parallel3d.run_capstone`` on the same number of ranks (1F1B,
@@ -34,11 +35,14 @@ from helpers import launch, rank_info  # noqa: E402
 from helpers.parallel3d import Layout, capstone_batches, run_capstone, sgd_step  # noqa: E402
 
 
-def _plain_steps(layout: Layout, ddp: bool) -> dict:
+def _plain_steps(layout: Layout, ddp: bool, threads: int | None = None) -> dict:
     """Rank function: ``layout.steps`` SGD steps of the unsplit model, either one
-    process on the whole batch or torch DDP with batch / world sequences per rank."""
+    process on the whole batch or torch DDP with batch / world sequences per rank.
+    ``threads``: intra-op threads (None: what launch gives a rank, cores // ranks)."""
     from helpers.model import build_model
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     info = rank_info()
     device = torch.device(info.device)
     model = build_model(layout.config, seed=0, device=device)
@@ -83,11 +87,17 @@ def main(argv=None) -> int:
         raise ValueError(f"--batch {args.batch} does not divide over the {world} DDP ranks "
                          f"(dp x tp x pp)")
 
-    one = launch(_plain_steps, 1, layout, False, timeout=600)[0]
+    # One process twice: with every core as intra-op threads, and with one thread (the
+    # tiny model's matmuls are small, and on a busy machine a multi-threaded region
+    # waits for all its threads to be scheduled). Ratios are to the faster of the two.
+    ones = [launch(_plain_steps, 1, layout, False, n, timeout=600)[0] for n in (None, 1)]
     ddp = launch(_plain_steps, world, layout, True, timeout=600)
     r3d = run_capstone(args.dp, args.tp, args.pp, steps=args.steps,
-                       micro_batches=args.micro_batches, size=args.size, batch=args.batch, seq=args.seq, timeout=600)
-    t1 = _median_after_warmup(one["times"])
+                       micro_batches=args.micro_batches, size=args.size, batch=args.batch,
+                       seq=args.seq, timeout=600)
+    t_ones = [_median_after_warmup(o["times"]) for o in ones]
+    t1 = min(t_ones)
+    one = ones[0]
     tddp = _median_after_warmup([max(r["times"][i] for r in ddp) for i in range(args.steps)])
     t3d = _median_after_warmup(r3d.step_times_s)
     # DDP's loss per step: the mean of the ranks' shard losses. Float32 reordering moves
@@ -96,18 +106,18 @@ def main(argv=None) -> int:
     ddp_loss = [statistics.fmean(r["losses"][i] for r in ddp) for i in range(args.steps)]
     ddp_same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ddp_loss, one["losses"]))
 
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; one process on "
-          f"{one['threads']} thread(s), each of {world} ranks on {ddp[0]['threads']}; "
-          f"model {args.size}, "
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; each of {world} "
+          f"ranks on {ddp[0]['threads']} thread(s); model {args.size}, "
           f"global batch {args.batch} x {args.seq} tokens, {args.steps - 1} timed steps; "
           f"3-D: dp x tp x pp = {args.dp} x {args.tp} x {args.pp}, mesh {r3d.mesh_dims}, "
           f"1F1B, {args.micro_batches} micro-batches")
-    print(f"{'run':24s} {'ranks':>5s} {'step ms':>8s} {'/ 1 proc':>9s} {'/ DDP':>7s} "
+    print(f"{'run':28s} {'ranks':>5s} {'step ms':>8s} {'/ 1 proc':>9s} {'/ DDP':>7s} "
           f"{'= 1 proc':>8s}")
-    rows = [("one process", 1, t1, "-"), ("torch DDP", world, tddp, ddp_same),
-            ("3-D (helpers.parallel3d)", world, t3d, r3d.ok)]
+    rows = [(f"one process, {o['threads']} thread(s)", 1, t, "-") for o, t in zip(ones, t_ones)]
+    rows += [("torch DDP", world, tddp, ddp_same),
+             ("3-D (helpers.parallel3d)", world, t3d, r3d.ok)]
     for name, n, t, same in rows:
-        print(f"{name:24s} {n:5d} {1e3 * t:8.1f} {t / t1:9.2f} {t / tddp:7.2f} {str(same):>8s}")
+        print(f"{name:28s} {n:5d} {1e3 * t:8.1f} {t / t1:9.2f} {t / tddp:7.2f} {str(same):>8s}")
     return 0
 
 
