@@ -24,6 +24,11 @@ CASES = [
     ("bench_checkpoint", ["--size", "huge"], "--size must be one of"),
     ("bench_checkpoint", ["--world", "1"], "--world must be >= 2"),
     ("bench_checkpoint", ["--reps", "0"], "--reps must be >= 1"),
+    ("bench_parallel3d", ["--size", "huge"], "--size must be one of"),
+    ("bench_parallel3d", ["--steps", "1"], "--steps must be >= 2"),
+    ("bench_parallel3d", ["--tp", "3"], "4 heads do not divide over tensor-parallel size 3"),
+    ("bench_parallel3d", ["--pp", "3"], "4 layers do not divide over pipeline size 3"),
+    ("bench_parallel3d", ["--batch", "12"], "--batch 12 does not divide over the 8 DDP ranks"),
 ]
 
 
