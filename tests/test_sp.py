@@ -318,3 +318,38 @@ def test_saved_bytes_per_rank_equal_the_formula_with_and_without_the_scores(rank
     # a formula without the s^2 probabilities would not match the materialised count
     assert attention_saved_bytes(S, t, B, H, D, 8, materialize=True) != \
         attention_saved_bytes(S, t, B, H, D, 8)
+
+
+# --------------------------------------------------------------------------
+# PyTorch's own context parallelism (CUDA only).
+# --------------------------------------------------------------------------
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _torch_cp_vs_ring():
+    from helpers.sp import torch_context_parallel
+    t, dev = rank_info().world_size, rank_info().device
+    q, k, v, _ = (x.float().to(dev) for x in inputs(4 * t))
+    theirs, their_q = torch_context_parallel(q, k, v)
+    local = [shard_sequence(x, None, "zigzag") for x in (q, k, v)]
+    ours = ring_attention(*local, layout="zigzag")
+    return dict(same_layout=torch.equal(their_q, local[0]),
+                theirs=gather_sequence(theirs, None, "zigzag"),
+                ours=gather_sequence(ours, None, "zigzag"))
+
+
+@pytest.mark.skipif(GPUS < 2, reason="torch's context_parallel shards SDPA's CUDA kernels only "
+                    "(on CPU: 'aten._scaled_dot_product_flash_attention_for_cpu.default does not "
+                    "have a sharding strategy registered'); needs 2 GPUs")
+def test_equals_pytorch_context_parallel_on_gpus():
+    res = launch(_torch_cp_vs_ring, 2, backend="nccl", timeout=120)
+    q, k, v, _ = (x.float() for x in inputs(8))
+    ref = reference(q, k, v, torch.zeros_like(q))[0]
+    # Both are fp32 blocked online softmaxes: the fp32 bound of the module docstring, doubled
+    # for the CUDA kernel's own tiles (its merges inside a block add as many roundings as ours).
+    bound = 2 * fp32_bound(q, k, v, 2)
+    for out in res:
+        assert out["same_layout"]  # PyTorch's head-tail layout is our zigzag
+        for name in ("theirs", "ours"):
+            assert ((out[name].double() - ref).abs() <= bound).all(), name

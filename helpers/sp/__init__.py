@@ -21,8 +21,8 @@ rank, reduces to ordinary attention.
 
 from helpers.sp.attention import (allgather_attention, attention_saved_bytes, block_attention, block_mask,
                                   causal_mask, check_ulysses, merge_partials, ring_attention,
-                                  ring_forward, ring_shift, ulysses_attention, unmasked_scores,
-                                  wait_all)
+                                  ring_forward, ring_shift, torch_context_parallel,
+                                  ulysses_attention, unmasked_scores, wait_all)
 from helpers.sp.megatron import (SequenceParallelBlock, allreduce_replicated_grads,
                                  gather_from_sequence, reduce_scatter_to_sequence,
                                  ring_wire_bytes, sequence_parallel_block)
@@ -32,7 +32,7 @@ from helpers.sp.layout import (LAYOUTS, check_layout, cp_rank, cp_size, gather_s
 __all__ = ["LAYOUTS", "check_layout", "cp_rank", "cp_size", "positions", "shard_sequence",
            "gather_sequence", "causal_mask", "block_attention", "merge_partials",
            "unmasked_scores", "allgather_attention", "ring_attention", "ring_forward",
-           "ring_shift", "wait_all", "block_mask", "attention_saved_bytes", "ulysses_attention",
+           "ring_shift", "wait_all", "block_mask", "attention_saved_bytes", "torch_context_parallel", "ulysses_attention",
            "check_ulysses", "gather_from_sequence", "reduce_scatter_to_sequence",
            "SequenceParallelBlock", "sequence_parallel_block", "allreduce_replicated_grads",
            "ring_wire_bytes"]

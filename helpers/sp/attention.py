@@ -70,7 +70,8 @@ from helpers.sp.layout import check_layout, cp_rank, cp_size, positions
 
 __all__ = ["block_attention", "merge_partials", "allgather_attention", "ring_attention",
            "ring_forward", "ring_shift", "wait_all", "block_mask", "ulysses_attention",
-           "check_ulysses", "causal_mask", "unmasked_scores", "attention_saved_bytes"]
+           "check_ulysses", "causal_mask", "unmasked_scores", "attention_saved_bytes",
+           "torch_context_parallel"]
 
 
 # --------------------------------------------------------------------------
@@ -388,3 +389,29 @@ def ulysses_attention(q, k, v, group=None, causal=True, layout="contiguous"):
     q, k, v = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))  # (B, H/cp, S, d)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return _AllToAll.apply(y, group, layout, False)
+
+
+# --------------------------------------------------------------------------
+# PyTorch's own context parallelism, for comparison.
+# --------------------------------------------------------------------------
+
+def torch_context_parallel(q, k, v, causal=True):
+    """Causal SDPA under ``torch.distributed.tensor.experimental.context_parallel``.
+
+    q, k, v: the *full* sequence (B, H, S, d), the same on every rank of the
+    default group. PyTorch shards them in place along the sequence with its
+    head-tail load balancer (rank r: chunks r and 2 cp - 1 - r, our "zigzag"),
+    runs its ring attention inside SDPA, and restores them on exit. Returns
+    (this rank's output chunk, this rank's q chunk as PyTorch sharded it).
+
+    It shards only SDPA's CUDA kernels (flash, memory-efficient, cuDNN): on CPU
+    it raises NotImplementedError ("... does not have a sharding strategy
+    registered"), which this function lets through.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    mesh = init_device_mesh(q.device.type, (cp_size(),))
+    q, k, v = (x.clone() for x in (q, k, v))  # sharded in place: keep the caller's tensors
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out.detach().clone(), q.clone()
