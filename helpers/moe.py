@@ -358,17 +358,18 @@ class MoELayer(nn.Module):
         """rows grouped (source rank, local expert) with counts (P, E/P) -> expert outputs,
         same order. Each expert runs once on all its rows, from every source."""
         P, El = counts.shape
-        seg = counts.reshape(-1).tolist()                  # segment sizes in row order
-        starts = [0] + list(torch.tensor(seg).cumsum(0).tolist())
-        # rows * 0, not empty: keeps ``out`` in the graph of ``rows`` even when no
-        # expert runs here, so every rank's backward reaches both all-to-alls.
-        out = rows * 0
+        pieces = list(rows.split(counts.reshape(-1).tolist()))   # pieces[q * El + j]
+        outs = list(pieces)
         for j, expert in enumerate(self.experts):
-            idx = torch.cat([torch.arange(starts[q * El + j], starts[q * El + j + 1])
-                             for q in range(P)]).to(rows.device)
-            if idx.numel():
-                out = out.index_copy(0, idx, expert(rows[idx]))
-        return out
+            mine = [pieces[q * El + j] for q in range(P)]         # expert j's rows, by source
+            sizes = [m.size(0) for m in mine]
+            if sum(sizes):
+                for q, o in enumerate(expert(torch.cat(mine)).split(sizes)):
+                    outs[q * El + j] = o
+        # empty pieces stay views of ``rows`` (times 0): ``out`` remains in the graph of
+        # ``rows`` even when no expert runs here, so every rank's backward reaches both
+        # all-to-alls.
+        return torch.cat([o if o is not p else p * 0 for o, p in zip(outs, pieces)])
 
     def _padded(self, x, tok, exp, slot, C, stats: MoEStats) -> torch.Tensor:
         """Fixed-capacity dispatch: (E, C, H) buffers, equal all-to-alls, every slot computed.

@@ -285,19 +285,20 @@ def test_gpt_moe_switch_and_ep_equal_single_process():
 
 
 def test_aux_loss_evens_out_the_load_of_a_trained_router():
-    """The course's collapse demo, measured: 80 steps of the toy GPT (every MLP 8 experts,
-    top-1) on the Markov language without and with the aux loss (alpha = 1e-2). This
-    is a property of training dynamics, not arithmetic; here the load's coefficient of
-    variation over the last 10 steps is ~1.0 without and ~0.5 with it, so we assert
-    only the direction."""
+    """The course's collapse demo, measured: 300 steps of a one-block, 16-wide toy GPT
+    (its MLP 8 experts, top-1) on the Markov language without and with the aux loss
+    (alpha = 1e-2). This is a property of training dynamics, not arithmetic; here the
+    load's coefficient of variation over the last 20 steps is ~0.9 without and ~0.45
+    with it, so we assert only the direction."""
     from helpers.data import make_dataset
     from helpers.model import build_model
     from helpers.moe import moe_stats
 
-    def last_cv(aux_weight, steps=80):
+    def last_cv(aux_weight, steps=300):
         data = make_dataset(num_sequences=512, seq_len=16)
-        model = build_model("toy", seed=0, moe_every=1, n_expert=8)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = build_model("toy", seed=0, moe_every=1, n_expert=8, n_layer=1, n_embd=16,
+                            n_head=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
         g = torch.Generator().manual_seed(0)
         shares = []
         for _ in range(steps):
@@ -308,7 +309,7 @@ def test_aux_loss_evens_out_the_load_of_a_trained_router():
             opt.zero_grad()
             load = moe_stats(model)[0].tokens_per_expert.float()
             shares.append(load / load.sum())
-        last = torch.stack(shares[-10:]).mean(0)
+        last = torch.stack(shares[-20:]).mean(0)
         return (last.std() / last.mean()).item()
 
     threads = torch.get_num_threads()
