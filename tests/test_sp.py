@@ -24,10 +24,11 @@ from helpers import launch, rank_info
 from helpers.memory import SavedTensorCounter
 from helpers.model import Block, GPTConfig
 from helpers.tp import count_collectives, gather_dense, tensor_parallel_block
-from helpers.sp import (allreduce_replicated_grads, ring_wire_bytes, sequence_parallel_block,
-                        allgather_attention, attention_saved_bytes, block_attention, check_layout, check_ulysses,
-                        gather_sequence, merge_partials, positions, ring_attention, ring_forward,
-                        shard_sequence, ulysses_attention, unmasked_scores)
+from helpers.sp import (allgather_attention, allreduce_replicated_grads, attention_saved_bytes,
+                        block_attention, check_layout, check_ulysses, gather_sequence,
+                        merge_partials, positions, ring_attention, ring_forward, ring_wire_bytes,
+                        sequence_parallel_block, shard_sequence, ulysses_attention,
+                        unmasked_scores)
 
 U32 = 2.0 ** -24
 REL64 = 1e-9  # float64 comparisons, see the module docstring
