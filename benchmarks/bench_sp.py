@@ -85,8 +85,7 @@ def _run(seq, heads, head_dim, steps, layout):
 
 def _ring_parts(qkv, steps, layout):
     """Median seconds of: ring forward, its block computations alone, its transfers alone."""
-    from helpers.sp import ring_attention, ring_forward, ring_shift, wait_all
-    from helpers.sp.layout import cp_size
+    from helpers.sp import cp_size, ring_attention, ring_forward, ring_shift, wait_all
     q, k, v = qkv
     kv = torch.stack([k, v])
 
