@@ -85,27 +85,18 @@ def _run(seq, heads, head_dim, steps, layout):
 
 def _ring_parts(qkv, steps, layout):
     """Median seconds of: ring forward, its block computations alone, its transfers alone."""
-    from helpers.sp import ring_attention
-    from helpers.sp.attention import _block_mask, _shift, _wait, block_attention, merge_partials
-    from helpers.sp.layout import cp_rank, cp_size, positions
+    from helpers.sp import cp_size, ring_attention, ring_forward, ring_shift, wait_all
     q, k, v = qkv
-    cp, r = cp_size(), cp_rank()
-    seq = q.size(-2) * cp
-    q_pos = positions(seq, cp, r, layout)
     kv = torch.stack([k, v])
 
-    def compute():
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
-        for step in range(cp):
-            mask = _block_mask(q_pos, seq, cp, (r - step) % cp, layout, True)
-            if mask is None or mask.any():
-                out, lse = merge_partials(out, lse, *block_attention(q, kv[0], kv[1], mask))
+    def compute():  # the same cp masked blocks, on the local K/V, no messages
+        ring_forward(q, k, v, layout=layout, communicate=False)
 
     def transfer():
         x = kv
-        for _ in range(cp - 1):
-            x, reqs = _shift(x, None, tag=0)
-            _wait(reqs)
+        for _ in range(cp_size() - 1):
+            x, reqs = ring_shift(x)
+            wait_all(reqs)
 
     parts = {"ring": lambda: ring_attention(q, k, v, layout=layout), "compute": compute,
              "transfer": transfer}

@@ -50,6 +50,21 @@ its own batch of tokens (EP usually reuses the data-parallel ranks). A step:
 5. **combine**: the reverse all-to-all (splits swapped) returns the results;
    the source rank scales them by the gates and sums per token.
 
+Two dispatch modes:
+
+* **dropless / variable splits** (default): only the kept rows travel, so
+  the split sizes must be exchanged first (step 2);
+* **padded** (``padded=True``, needs a capacity): every expert gets a
+  fixed buffer of C slots, the (E, C, H) tensor holds kept rows at their
+  slot and zeros elsewhere (GShard sec. 2.2 and Alg. 1: the dispatch mask
+  einsum "GSEC,GSM->EGCM"; Switch sec. 2.1; here an ``index_put`` does the
+  same placement without the one-hot tensor). The all-to-all is then
+  equal-sized, E/P * C rows to every rank whatever the routing: no split
+  exchange, static shapes (what TPUs and CUDA graphs need), but the empty
+  slots travel and get computed too. Bytes sent per all-to-all per rank:
+  (P-1)/P * E * C * H * bytes, of which the padding is that minus the kept
+  rows bound for other ranks (``MoEStats.padding_bytes``).
+
 Backward runs the same two all-to-alls in reverse (``_AllToAll``): the
 gradient of "send rows i..j to rank q" is "receive those rows' gradients back
 from q". Router weights are replicated: their gradients are partial per rank
@@ -65,7 +80,7 @@ speed: EP groups are kept inside a node when possible.
 How production differs
 ----------------------
 GShard/Switch on TPUs pad every expert's slot to C (fixed shapes, a dense
-einsum dispatch); Megatron-LM and DeepSpeed on GPUs send variable splits
+einsum dispatch; the ``padded`` mode here); Megatron-LM and DeepSpeed on GPUs send variable splits
 like here, with fused permute kernels and grouped GEMMs instead of a Python
 loop over experts; DeepSeek-V3 routes with sigmoid scores and bias-based
 balancing instead of an aux loss. Here all E experts are built (same seed on
@@ -87,7 +102,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["MoEConfig", "MoELayer", "MoEStats", "Expert", "load_balancing_loss",
-           "router_z_loss", "route", "capacity_keep", "expert_capacity",
+           "router_z_loss", "route", "capacity_keep", "capacity_slots", "expert_capacity",
            "exchange_splits", "all_to_all", "alltoall_bytes", "apply_ep", "moe_aux_loss",
            "moe_stats"]
 
@@ -101,6 +116,7 @@ class MoEConfig:
     top_k: int = 1
     capacity_factor: float | None = None  # None: no capacity, no token dropped
     ep_size: int = 1                      # ranks the experts are split over
+    padded: bool = False                  # fixed (E, C, H) buffers instead of variable splits
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k", "ep_size"):
@@ -113,6 +129,9 @@ class MoEConfig:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (or None for no capacity), "
                              f"got {self.capacity_factor}")
+        if self.padded and self.capacity_factor is None:
+            raise ValueError("padded dispatch needs a capacity_factor: each expert's buffer "
+                             "holds C = ceil(cf * tokens * k / E) slots")
         if self.num_experts % self.ep_size:
             raise ValueError(f"{self.num_experts} experts do not divide over expert-parallel "
                              f"size {self.ep_size}: each rank must hold the same number")
@@ -143,19 +162,24 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: 
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
-def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
-    """(T, k) bool: which routing choices fit in their expert's ``capacity``.
+def capacity_slots(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(T, k) long: the slot each routing choice takes in its expert's buffer.
 
     Priority: choice 0 of every token, then choice 1, ..., each in token
     order (GShard Alg. 1: position in expert = cumulative count).
     """
-    if capacity is None:
-        return torch.ones_like(experts, dtype=torch.bool)
     T, k = experts.shape
     order = experts.t().reshape(-1)                                 # (k*T,) choice-major
     one_hot = F.one_hot(order, num_experts)                         # (k*T, E)
     position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1            # slot taken in its expert
-    return (position < capacity).reshape(k, T).t()
+    return position.reshape(k, T).t()
+
+
+def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """(T, k) bool: which routing choices fit in their expert's ``capacity`` (slot < C)."""
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    return capacity_slots(experts, num_experts) < capacity
 
 
 def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor,
@@ -255,23 +279,27 @@ class MoEStats:
     dispatch_bytes: int = 0          # sent to other ranks by the dispatch all-to-all
     combine_bytes: int = 0           # sent to other ranks by the combine all-to-all
     split_bytes: int = 0             # the split-size exchange
+    padding_bytes: int = 0           # padded mode: empty slots in the dispatch all-to-all
     send_splits: list = dataclasses.field(default_factory=list)  # rows to each rank
     recv_splits: list = dataclasses.field(default_factory=list)  # rows from each rank
 
 
 class MoELayer(nn.Module):
     """``MoELayer(hidden, ffn_hidden, num_experts, top_k=1, capacity_factor=None,
-    ep_group=None)``: ``layer(x) -> (y, MoEStats)`` for x of shape (..., hidden).
+    ep_group=None, padded=False)``: ``layer(x) -> (y, MoEStats)`` for x of shape
+    (..., hidden).
 
     ``ep_group``: a process group to split the experts over (None: all experts
     here, no communication). Every rank must build the layer with the same
-    seed; rank r keeps its E/P experts (``self.expert_ids``).
+    seed; rank r keeps its E/P experts (``self.expert_ids``). ``padded``: fixed
+    (E, C, H) expert buffers and equal-sized all-to-alls (module docstring).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 1,
-                 capacity_factor: float | None = None, ep_group=None):
+                 capacity_factor: float | None = None, ep_group=None, padded: bool = False):
         super().__init__()
-        self.cfg = MoEConfig(hidden, ffn_hidden, num_experts, top_k, capacity_factor)
+        self.cfg = MoEConfig(hidden, ffn_hidden, num_experts, top_k, capacity_factor,
+                             padded=padded)
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, ffn_hidden) for _ in range(num_experts))
         self.expert_ids = list(range(num_experts))
@@ -299,7 +327,8 @@ class MoELayer(nn.Module):
         probs, gates, experts = route(logits, cfg.top_k)               # (T, E), (T, k), (T, k)
         C = (None if cfg.capacity_factor is None
              else expert_capacity(T, cfg.num_experts, cfg.top_k, cfg.capacity_factor))
-        kept = capacity_keep(experts, cfg.num_experts, C)              # (T, k)
+        slots = capacity_slots(experts, cfg.num_experts)               # (T, k)
+        kept = slots < C if C is not None else torch.ones_like(slots, dtype=torch.bool)
         stats = MoEStats(
             tokens_per_expert=torch.bincount(experts.reshape(-1), minlength=cfg.num_experts),
             kept=kept, dropped=int((~kept).sum()), capacity=C,
@@ -309,6 +338,11 @@ class MoELayer(nn.Module):
         # The kept (token, expert, gate) triples, sorted by expert (stable: token order).
         tok = torch.arange(T, device=x.device).unsqueeze(1).expand_as(experts)[kept]
         exp, gate = experts[kept], gates[kept]
+        if cfg.padded:
+            out = self._padded(x, tok, exp, slots[kept], C, stats)     # (N_kept, H)
+            y = torch.zeros_like(x).index_add_(0, tok, out * gate.unsqueeze(1).to(out.dtype))
+            self.last_stats = stats
+            return y.reshape(shape), stats
         order = torch.argsort(exp, stable=True)
         tok, exp, gate = tok[order], exp[order], gate[order]
         rows = x[tok]                                                  # (N_kept, H)
@@ -324,17 +358,45 @@ class MoELayer(nn.Module):
         """rows grouped (source rank, local expert) with counts (P, E/P) -> expert outputs,
         same order. Each expert runs once on all its rows, from every source."""
         P, El = counts.shape
-        seg = counts.reshape(-1).tolist()                  # segment sizes in row order
-        starts = [0] + list(torch.tensor(seg).cumsum(0).tolist())
-        # rows * 0, not empty: keeps ``out`` in the graph of ``rows`` even when no
-        # expert runs here, so every rank's backward reaches both all-to-alls.
-        out = rows * 0
+        pieces = list(rows.split(counts.reshape(-1).tolist()))   # pieces[q * El + j]
+        outs = list(pieces)
         for j, expert in enumerate(self.experts):
-            idx = torch.cat([torch.arange(starts[q * El + j], starts[q * El + j + 1])
-                             for q in range(P)]).to(rows.device)
-            if idx.numel():
-                out = out.index_copy(0, idx, expert(rows[idx]))
-        return out
+            mine = [pieces[q * El + j] for q in range(P)]         # expert j's rows, by source
+            sizes = [m.size(0) for m in mine]
+            if sum(sizes):
+                for q, o in enumerate(expert(torch.cat(mine)).split(sizes)):
+                    outs[q * El + j] = o
+        # empty pieces stay views of ``rows`` (times 0): ``out`` remains in the graph of
+        # ``rows`` even when no expert runs here, so every rank's backward reaches both
+        # all-to-alls.
+        return torch.cat([o if o is not p else p * 0 for o, p in zip(outs, pieces)])
+
+    def _padded(self, x, tok, exp, slot, C, stats: MoEStats) -> torch.Tensor:
+        """Fixed-capacity dispatch: (E, C, H) buffers, equal all-to-alls, every slot computed.
+
+        Returns the expert outputs of the kept (token, expert) pairs, in their order.
+        """
+        E, H, P, El = self.cfg.num_experts, x.size(1), self.cfg.ep_size, self.cfg.experts_per_rank
+        buf = x.new_zeros(E, C, H).index_put((exp, slot), x[tok])      # zeros in empty slots
+        if self.ep_group is not None:
+            n = [El * C] * P                                           # the same to every rank
+            row_bytes = H * x.element_size()
+            stats.send_splits, stats.recv_splits = n, n
+            stats.dispatch_bytes = stats.combine_bytes = alltoall_bytes(n, self.ep_rank,
+                                                                        row_bytes)
+            remote = int(((exp // El) != self.ep_rank).sum())          # kept rows leaving
+            stats.padding_bytes = stats.dispatch_bytes - remote * row_bytes
+            buf = all_to_all(buf.reshape(E * C, H), n, n, self.ep_group)  # (P * El * C, H)
+            buf = buf.view(P, El, C, H).transpose(0, 1)                # (El, P, C, H)
+        else:
+            buf = buf.view(E, 1, C, H)                                 # (E, 1, C, H)
+        # each local expert on all its slots, padding included (what fixed shapes cost)
+        done = torch.stack([e(buf[j].reshape(-1, H)) for j, e in enumerate(self.experts)])
+        done = done.view(buf.shape)
+        if self.ep_group is not None:
+            done = done.transpose(0, 1).reshape(E * C, H)              # source-rank order
+            done = all_to_all(done, [El * C] * P, [El * C] * P, self.ep_group)
+        return done.reshape(E, C, H)[exp, slot]                        # (N_kept, H)
 
     def _experts_ep(self, rows, counts, stats: MoEStats) -> torch.Tensor:
         P, El = self.cfg.ep_size, self.cfg.experts_per_rank

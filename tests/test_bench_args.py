@@ -21,6 +21,7 @@ CASES = [
     ("bench_moe", ["--steps", "1"], "--steps must be >= 2"),
     ("bench_moe", ["--experts", "6", "--world", "4"], "6 experts do not divide"),
     ("bench_moe", ["--top-k", "9"], "top_k=9 is larger than num_experts=8"),
+    ("bench_moe", ["--capacity-factor", "0"], "capacity_factor must be > 0"),
     ("bench_checkpoint", ["--size", "huge"], "--size must be one of"),
     ("bench_checkpoint", ["--world", "1"], "--world must be >= 2"),
     ("bench_checkpoint", ["--reps", "0"], "--reps must be >= 1"),

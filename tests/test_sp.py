@@ -24,14 +24,15 @@ from helpers import launch, rank_info
 from helpers.memory import SavedTensorCounter
 from helpers.model import Block, GPTConfig
 from helpers.tp import count_collectives, gather_dense, tensor_parallel_block
-from helpers.sp import (allreduce_replicated_grads, ring_wire_bytes, sequence_parallel_block,
-                        allgather_attention, block_attention, check_layout, check_ulysses,
-                        gather_sequence, merge_partials, positions, ring_attention,
-                        shard_sequence, ulysses_attention, unmasked_scores)
+from helpers.sp import (allgather_attention, allreduce_replicated_grads, attention_saved_bytes,
+                        block_attention, check_layout, check_ulysses, gather_sequence,
+                        merge_partials, positions, ring_attention, ring_forward, ring_wire_bytes,
+                        sequence_parallel_block, shard_sequence, ulysses_attention,
+                        unmasked_scores)
 
 U32 = 2.0 ** -24
 REL64 = 1e-9  # float64 comparisons, see the module docstring
-B, H, D = 1, 4, 8
+B, H, D = 1, 12, 8  # 12 heads divide over 2, 3 and 4 ranks (Ulysses)
 FUNCS = {"allgather": allgather_attention, "ring": ring_attention, "ulysses": ulysses_attention}
 
 
@@ -115,7 +116,7 @@ def test_benchmark_refuses_bad_arguments_before_any_rank(argv, message, load_ben
 
 
 # --------------------------------------------------------------------------
-# On ranks: every function, both layouts (t = 2, 4; one launch each).
+# On ranks: every function, both layouts (t = 2, 3, 4; one launch each).
 # --------------------------------------------------------------------------
 
 def _run(fn, q, k, v, d_out, layout, causal=True):
@@ -138,14 +139,35 @@ def _everything():
     qb, kb, vb, db = (x.bfloat16() for x in (q, k, v, d_out))
     out["ring_bf16"] = _run(ring_attention, qb, kb, vb, db, "zigzag")[0]
     errors = []
-    for fn, args in ((ring_attention, (q[..., :3, :],) * 3),         # local 3: 3t not into 2t
-                     (ulysses_attention, (q[:, :3, :4, :],) * 3)):  # 3 heads over t
+    for fn, args in ((ring_attention, (q[..., :3, :],) * 3),             # local 3: 3t not into 2t
+                     (ulysses_attention, (q[:, :t + 1, :4, :],) * 3)):  # t + 1 heads over t
         try:
             fn(*args, layout="zigzag")
         except ValueError as exc:
             errors.append(str(exc))
     out["errors"] = errors
     out["sp_block"] = _sp_block()
+    out["timeline"], out["ring_forward"] = _timeline(q, k, v)
+    out["saved"] = _saved(q, k, v)
+    return out
+
+
+def _timeline(q, k, v):
+    local = [shard_sequence(x, None, "zigzag") for x in (q, k, v)]
+    spans = []
+    o, _ = ring_forward(*local, layout="zigzag", timeline=spans)
+    return spans, gather_sequence(o, None, "zigzag")
+
+
+def _saved(q, k, v):
+    """Saved bytes per rank: all-gather with materialised scores, and the ring."""
+    local = [shard_sequence(x, None, "contiguous").requires_grad_() for x in (q, k, v)]
+    out = {}
+    for name, fn in (("materialized", lambda: allgather_attention(*local, materialize=True)),
+                     ("ring", lambda: ring_attention(*local))):
+        with SavedTensorCounter() as c:
+            fn()
+        out[name] = c.total_bytes
     return out
 
 
@@ -155,8 +177,8 @@ SP_NAMES = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_proj", "c_fc": "mlp.c_
 
 def _dense_block_and_data(t):
     torch.manual_seed(3)  # same on every rank
-    block = Block(GPTConfig(n_head=4, n_embd=32)).double()
-    x, dy = torch.randn(2, 4 * t, 32, dtype=torch.float64), torch.randn(2, 4 * t, 32,
+    block = Block(GPTConfig(n_head=12, n_embd=48)).double()  # 12 heads: t = 2, 3, 4
+    x, dy = torch.randn(2, 4 * t, 48, dtype=torch.float64), torch.randn(2, 4 * t, 48,
                                                                         dtype=torch.float64)
     return block, x, dy
 
@@ -186,7 +208,7 @@ def _sp_block():
                 sp_saved=sp_saved.by_module(), tp_saved=tp_saved.by_module())
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, 3, 4])
 def ranks(request):
     t = request.param
     res = launch(_everything, t, timeout=120)
@@ -236,7 +258,7 @@ def test_bad_shapes_are_refused_on_every_rank_naming_the_constraint(ranks):
     for out in res:
         assert len(out["errors"]) == 2
         assert f"does not divide into {2 * t} chunks" in out["errors"][0]
-        assert f"3 heads do not divide over context-parallel size {t}" in out["errors"][1]
+        assert f"{t + 1} heads do not divide over context-parallel size {t}" in out["errors"][1]
 
 
 def test_megatron_sp_block_equals_the_dense_block(ranks):
@@ -255,7 +277,7 @@ def test_megatron_sp_block_equals_the_dense_block(ranks):
 
 def test_megatron_sp_same_wire_bytes_as_tp_and_layernorm_activations_split(ranks):
     t, res = ranks
-    sp, B, T, h = res[0]["sp_block"], 2, 4 * t, 32
+    sp, B, T, h = res[0]["sp_block"], 2, 4 * t, 48
     act = B * T * h * 8                                     # one whole (B, T, h) float64 tensor
     ops = [(c.op, c.direction, c.nbytes) for c in sp["sp_log"]]
     # Per direction: 2 all-gathers of the local piece, 2 reduce-scatters of the whole tensor.
@@ -268,3 +290,67 @@ def test_megatron_sp_same_wire_bytes_as_tp_and_layernorm_activations_split(ranks
     # The LayerNorms save their input: (B, T/t, h) under SP, (B, T, h) under TP.
     for ln in ("ln_1", "ln_2"):
         assert sp["tp_saved"][ln] == t * sp["sp_saved"][ln] > 0
+
+
+def test_ring_timeline_has_one_compute_span_per_block_and_waits_inside_transfers(ranks):
+    t, res = ranks
+    want = reference(*inputs(4 * t))[0]
+    for rank, out in enumerate(res):
+        # ring_forward is RingAttention's forward: the same output
+        assert_close64(out["ring_forward"], want, f"ring_forward t={t} rank {rank}")
+        spans = out["timeline"]
+        lanes = [e["lane"] for e in spans]
+        assert lanes.count("compute") == t and lanes.count("comm") == lanes.count("wait") == t - 1
+        assert all(e["start"] <= e["end"] for e in spans)
+        comm = [e for e in spans if e["lane"] == "comm"]
+        for c, w in zip(comm, [e for e in spans if e["lane"] == "wait"]):
+            assert c["start"] <= w["start"] and w["end"] == c["end"]  # blocked inside the transfer
+        names = [e["name"] for e in spans if e["lane"] == "compute"]
+        assert names == [f"block of rank {(rank - i) % t}" for i in range(t)]
+
+
+def test_saved_bytes_per_rank_equal_the_formula_with_and_without_the_scores(ranks):
+    t, res = ranks
+    S = 4 * t
+    for out in res:  # exact: the counter sums storage sizes, the formula counts the same tensors
+        assert out["saved"]["materialized"] == attention_saved_bytes(S, t, B, H, D, 8,
+                                                                     materialize=True)
+        assert out["saved"]["ring"] == attention_saved_bytes(S, t, B, H, D, 8)
+    # a formula without the s^2 probabilities would not match the materialised count
+    assert attention_saved_bytes(S, t, B, H, D, 8, materialize=True) != \
+        attention_saved_bytes(S, t, B, H, D, 8)
+
+
+# --------------------------------------------------------------------------
+# PyTorch's own context parallelism (CUDA only).
+# --------------------------------------------------------------------------
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _torch_cp_vs_ring():
+    from helpers.sp import torch_context_parallel
+    t, dev = rank_info().world_size, rank_info().device
+    q, k, v, _ = (x.float().to(dev) for x in inputs(4 * t))
+    theirs, their_q = torch_context_parallel(q, k, v)
+    local = [shard_sequence(x, None, "zigzag") for x in (q, k, v)]
+    ours = ring_attention(*local, layout="zigzag")
+    return dict(same_layout=torch.equal(their_q, local[0]),
+                theirs=gather_sequence(theirs, None, "zigzag"),
+                ours=gather_sequence(ours, None, "zigzag"))
+
+
+@pytest.mark.skipif(GPUS < 2, reason="torch's context_parallel shards SDPA's CUDA kernels only "
+                    "(on CPU: 'aten._scaled_dot_product_flash_attention_for_cpu.default does not "
+                    "have a sharding strategy registered'); needs 2 GPUs")
+def test_equals_pytorch_context_parallel_on_gpus():
+    res = launch(_torch_cp_vs_ring, 2, backend="nccl", timeout=120)
+    q, k, v, _ = (x.float() for x in inputs(8))
+    ref = reference(q, k, v, torch.zeros_like(q))[0]
+    # Both are fp32 blocked online softmaxes: the fp32 bound of the module docstring, doubled
+    # for the CUDA kernel's own tiles (its merges inside a block add as many roundings as ours).
+    bound = 2 * fp32_bound(q, k, v, 2)
+    for out in res:
+        assert out["same_layout"]  # PyTorch's head-tail layout is our zigzag
+        for name in ("theirs", "ours"):
+            assert ((out[name].double() - ref).abs() <= bound).all(), name

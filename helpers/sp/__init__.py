@@ -10,8 +10,11 @@ memory. Two splits along the sequence fix that:
   load-balanced "zigzag"), ``shard_sequence`` / ``gather_sequence``.
 * ``attention``: context parallelism for attention, the one layer whose
   tokens interact: ``allgather_attention`` (Llama 3), ``ring_attention``
-  (Liu et al. 2023, online-softmax merge), ``ulysses_attention``
-  (DeepSpeed-Ulysses, all-to-all).
+  (Liu et al. 2023, online-softmax merge; ``ring_forward`` records its time
+  line), ``ulysses_attention`` (DeepSpeed-Ulysses, all-to-all);
+  ``attention_saved_bytes`` (what one call keeps for backward, with and
+  without the s^2 scores) and ``torch_context_parallel`` (PyTorch's own, for
+  comparison; CUDA only).
 * ``megatron``: Megatron sequence parallelism on top of ``helpers.tp``
   (Korthikanti et al. 2022, sec. 4.2.2): ``sequence_parallel_block``.
 
@@ -19,9 +22,11 @@ Every function takes ``group`` (None: the default group) and, with one
 rank, reduces to ordinary attention.
 """
 
-from helpers.sp.attention import (allgather_attention, block_attention, causal_mask,
-                                  check_ulysses, merge_partials, ring_attention,
-                                  ulysses_attention, unmasked_scores)
+from helpers.sp.attention import (allgather_attention, attention_saved_bytes, block_attention,
+                                  block_mask, causal_mask, check_ulysses, merge_partials,
+                                  ring_attention,
+                                  ring_forward, ring_shift, torch_context_parallel,
+                                  ulysses_attention, unmasked_scores, wait_all)
 from helpers.sp.megatron import (SequenceParallelBlock, allreduce_replicated_grads,
                                  gather_from_sequence, reduce_scatter_to_sequence,
                                  ring_wire_bytes, sequence_parallel_block)
@@ -30,7 +35,8 @@ from helpers.sp.layout import (LAYOUTS, check_layout, cp_rank, cp_size, gather_s
 
 __all__ = ["LAYOUTS", "check_layout", "cp_rank", "cp_size", "positions", "shard_sequence",
            "gather_sequence", "causal_mask", "block_attention", "merge_partials",
-           "unmasked_scores", "allgather_attention", "ring_attention", "ulysses_attention",
-           "check_ulysses", "gather_from_sequence", "reduce_scatter_to_sequence",
-           "SequenceParallelBlock", "sequence_parallel_block", "allreduce_replicated_grads",
-           "ring_wire_bytes"]
+           "unmasked_scores", "allgather_attention", "ring_attention", "ring_forward",
+           "ring_shift", "wait_all", "block_mask", "attention_saved_bytes",
+           "torch_context_parallel", "ulysses_attention", "check_ulysses",
+           "gather_from_sequence", "reduce_scatter_to_sequence", "SequenceParallelBlock",
+           "sequence_parallel_block", "allreduce_replicated_grads", "ring_wire_bytes"]

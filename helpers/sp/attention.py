@@ -60,6 +60,7 @@ layout (Megatron-LM / TransformerEngine's ``attn_fwd_...cp`` kernels, PyTorch's
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,9 @@ import torch.nn.functional as F
 from helpers.sp.layout import check_layout, cp_rank, cp_size, positions
 
 __all__ = ["block_attention", "merge_partials", "allgather_attention", "ring_attention",
-           "ulysses_attention", "check_ulysses", "causal_mask", "unmasked_scores"]
+           "ring_forward", "ring_shift", "wait_all", "block_mask", "ulysses_attention",
+           "check_ulysses", "causal_mask", "unmasked_scores", "attention_saved_bytes",
+           "torch_context_parallel"]
 
 
 # --------------------------------------------------------------------------
@@ -158,24 +161,56 @@ class _GatherSequence(torch.autograd.Function):
         return out, None, None
 
 
-def allgather_attention(q, k, v, group=None, causal=True, layout="contiguous"):
-    """Local q against the all-gathered K, V; returns this rank's output chunk."""
+def allgather_attention(q, k, v, group=None, causal=True, layout="contiguous",
+                        materialize=False):
+    """Local q against the all-gathered K, V; returns this rank's output chunk.
+
+    ``materialize=True`` computes softmax(q k^T) v explicitly, so autograd keeps the
+    (seq/cp, seq) probabilities per head, the s^2 term a fused kernel avoids
+    (``attention_saved_bytes``); otherwise it calls SDPA.
+    """
     cp, r, seq = _check(q, k, v, group, layout)
     if cp > 1:
         k, v = (_GatherSequence.apply(x, group, layout) for x in (k, v))  # (B, H, S, d)
     mask = causal_mask(positions(seq, cp, r, layout), torch.arange(seq)) if causal else None
     mask = None if mask is None else mask.to(q.device)
+    if materialize:
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))           # (B, H, S/cp, S)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))                     # saves the bool mask
+        return torch.softmax(s, dim=-1) @ v                             # saves the probabilities
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_saved_bytes(seq, cp, batch, heads, head_dim, itemsize=4, materialize=False,
+                          causal=True):
+    """Bytes autograd keeps per rank for one attention call, s = seq split over cp ranks.
+
+    n = s/cp local queries, per (batch, head):
+    * ``materialize=True`` (``allgather_attention(materialize=True)``): q (n d), the
+      gathered K and V (2 s d), the probabilities (n s), plus the causal mask
+      (n s bools, shared by all heads). The n s terms are the s^2/cp growth that
+      Korthikanti et al. 2022 (Table 2) write as 5as/h per sbh.
+    * flash-style (``ring_attention``): q, k, v, the output (4 n d) and one
+      log-sum-exp per row (n): linear in s, what FlashAttention saves (Dao et al.
+      2022, sec. 3.1) and why the s^2 term vanishes with a fused kernel.
+    """
+    n = seq // cp
+    if materialize:
+        return itemsize * batch * heads * (n * head_dim + 2 * seq * head_dim + n * seq) \
+            + (n * seq if causal else 0)
+    return itemsize * batch * heads * (4 * n * head_dim + n)
 
 
 # --------------------------------------------------------------------------
 # Ring attention.
 # --------------------------------------------------------------------------
 
-def _shift(x, group, tag):
+def ring_shift(x, group=None, tag=0):
     """Start sending ``x`` to the next rank of the ring and receiving from the previous one.
 
-    Returns (receive buffer, requests); wait on the requests before reading it.
+    Returns (receive buffer, requests); ``wait_all(requests)`` before reading the buffer.
+    With one rank: (x, []).
     """
     cp, r = cp_size(group), cp_rank(group)
     if cp == 1:
@@ -187,9 +222,65 @@ def _shift(x, group, tag):
     return buf, reqs
 
 
-def _wait(reqs):
+def wait_all(reqs):
     for req in reqs:
         req.wait()
+
+
+def block_mask(q_pos, seq, cp, src, layout, causal=True):
+    """Mask of queries at ``q_pos`` against rank ``src``'s keys; None when nothing is masked."""
+    if not causal:
+        return None
+    mask = causal_mask(q_pos, positions(seq, cp, src, layout).to(q_pos.device))
+    return None if mask.all() else mask
+
+
+def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline=None,
+                 communicate=True):
+    """The ring's forward without autograd: this rank's output chunk and its log-sum-exp.
+
+    Step i computes on the K/V block that started on rank r - i while the block of
+    rank r - i - 1 is in flight. ``timeline`` (a list) gets one dict per span,
+    ``{"lane": "compute" | "comm" | "wait", "name", "start", "end"}`` in
+    ``time.perf_counter()`` seconds (``helpers.overlap.plot_timelines`` draws them):
+    "comm" runs from posting the isend/irecv to the moment the wait returns, "wait"
+    is the part of it the rank spent blocked. ``communicate=False`` computes the
+    same cp blocks (same masks) on the local K/V, with no messages: the compute
+    alone, for timing how much of the transfer the ring hides.
+    """
+    cp, r, seq = _check(q, k, v, group, layout)
+    dt = _compute_dtype(q)
+    scale = 1.0 / math.sqrt(q.size(-1))
+    qc = q.to(dt)
+    q_pos = positions(seq, cp, r, layout).to(q.device)
+    kv = torch.stack([k, v]).to(dt)                           # (2, B, H, n, d): one message
+    out = torch.zeros_like(qc)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt, device=q.device)
+    span = _spans(timeline)
+    for step in range(cp):
+        t_post = time.perf_counter()
+        nxt, reqs = ring_shift(kv, group, tag=0) if communicate and step < cp - 1 else (kv, [])
+        mask = block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
+        t0 = time.perf_counter()
+        if mask is None or mask.any():                        # fully masked: skip the block
+            o, l = block_attention(qc, kv[0], kv[1], mask, scale)
+            out, lse = merge_partials(out, lse, o, l)
+        t1 = time.perf_counter()
+        span("compute", f"block of rank {(r - step) % cp}", t0, t1)
+        wait_all(reqs)                                        # next block arrived under compute
+        if reqs:
+            t2 = time.perf_counter()
+            span("comm", f"K/V of rank {(r - step - 1) % cp}", t_post, t2)
+            span("wait", "wait for K/V", t1, t2)
+        kv = nxt
+    return out, lse
+
+
+def _spans(timeline):
+    if timeline is None:
+        return lambda *a: None
+    return lambda lane, name, start, end: timeline.append(
+        {"lane": lane, "name": name, "start": start, "end": end})
 
 
 class RingAttention(torch.autograd.Function):
@@ -197,24 +288,10 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout):
-        cp, r, seq = _check(q, k, v, group, layout)
-        dt = _compute_dtype(q)
-        scale = 1.0 / math.sqrt(q.size(-1))
-        qc = q.to(dt)
-        q_pos = positions(seq, cp, r, layout).to(q.device)
-        kv = torch.stack([k, v]).to(dt)                       # (2, B, H, n, d): one message
-        out = torch.zeros_like(qc)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt, device=q.device)
-        for step in range(cp):
-            nxt, reqs = _shift(kv, group, tag=0) if step < cp - 1 else (None, [])
-            mask = _block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
-            if mask is None or mask.any():                    # fully masked: skip the block
-                o, l = block_attention(qc, kv[0], kv[1], mask, scale)
-                out, lse = merge_partials(out, lse, o, l)
-            _wait(reqs)                                       # next block arrived under compute
-            kv = nxt
-        ctx.save_for_backward(qc, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
+        out, lse = ring_forward(q, k, v, group, causal, layout)
+        ctx.save_for_backward(q.to(out.dtype), k, v, out, lse)
+        ctx.group, ctx.causal, ctx.layout = group, causal, layout
+        ctx.scale = 1.0 / math.sqrt(q.size(-1))
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return out.to(q.dtype)
 
@@ -231,9 +308,9 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).to(dt)
         dkv, dkv_reqs = None, []
         for step in range(cp):
-            nxt, kv_reqs = _shift(kv, group, tag=0) if step < cp - 1 else (None, [])
+            nxt, kv_reqs = ring_shift(kv, group, tag=0) if step < cp - 1 else (None, [])
             grads = torch.zeros_like(kv)                      # this step's dK, dV of the held block
-            mask = _block_mask(q_pos, seq, cp, (r - step) % cp, ctx.layout, ctx.causal)
+            mask = block_mask(q_pos, seq, cp, (r - step) % cp, ctx.layout, ctx.causal)
             if mask is None or mask.any():
                 s = (qc @ kv[0].transpose(-2, -1)) * scale
                 if mask is not None:
@@ -243,22 +320,14 @@ class RingAttention(torch.autograd.Function):
                 ds = p * (d_out @ kv[1].transpose(-2, -1) - delta)
                 dq += (ds @ kv[0]) * scale
                 grads[0] = (ds.transpose(-2, -1) @ qc) * scale
-            _wait(dkv_reqs)                                   # accumulator, one hop behind
+            wait_all(dkv_reqs)                                # accumulator, one hop behind
             dkv = grads if dkv is None else dkv + grads
-            dkv, dkv_reqs = _shift(dkv, group, tag=1)         # last hop takes it home
-            _wait(kv_reqs)
+            dkv, dkv_reqs = ring_shift(dkv, group, tag=1)     # last hop takes it home
+            wait_all(kv_reqs)
             kv = nxt
-        _wait(dkv_reqs)
+        wait_all(dkv_reqs)
         dq_t, dk_t, dv_t = ctx.dtypes
         return dq.to(dq_t), dkv[0].to(dk_t), dkv[1].to(dv_t), None, None, None
-
-
-def _block_mask(q_pos, seq, cp, src, layout, causal):
-    """Mask of my queries against rank ``src``'s keys; None when nothing is masked."""
-    if not causal:
-        return None
-    mask = causal_mask(q_pos, positions(seq, cp, src, layout).to(q_pos.device))
-    return None if mask.all() else mask
 
 
 def ring_attention(q, k, v, group=None, causal=True, layout="contiguous"):
@@ -297,26 +366,18 @@ def _head_to_seq(x, group, layout):
     return torch.cat(recv, dim=1)                         # heads of rank 0, rank 1, ...
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, layout):
-        ctx.group, ctx.layout = group, layout
-        return _seq_to_head(x, group, layout)
+class _AllToAll(torch.autograd.Function):
+    """Sequence-split <-> head-split; the conjugate of an all-to-all is the reverse one."""
 
     @staticmethod
-    def backward(ctx, grad):  # the conjugate of an all-to-all is the reverse all-to-all
-        return _head_to_seq(grad, ctx.group, ctx.layout), None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, layout):
-        ctx.group, ctx.layout = group, layout
-        return _head_to_seq(x, group, layout)
+    def forward(ctx, x, group, layout, to_heads):
+        ctx.group, ctx.layout, ctx.to_heads = group, layout, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_head(grad, ctx.group, ctx.layout), None, None
+        back = _head_to_seq if ctx.to_heads else _seq_to_head
+        return back(grad, ctx.group, ctx.layout), None, None, None
 
 
 def ulysses_attention(q, k, v, group=None, causal=True, layout="contiguous"):
@@ -325,6 +386,32 @@ def ulysses_attention(q, k, v, group=None, causal=True, layout="contiguous"):
     check_ulysses(q.size(1), cp)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    q, k, v = (_SeqToHead.apply(x, group, layout) for x in (q, k, v))  # (B, H/cp, S, d)
+    q, k, v = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))  # (B, H/cp, S, d)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return _HeadToSeq.apply(y, group, layout)
+    return _AllToAll.apply(y, group, layout, False)
+
+
+# --------------------------------------------------------------------------
+# PyTorch's own context parallelism, for comparison.
+# --------------------------------------------------------------------------
+
+def torch_context_parallel(q, k, v, causal=True):
+    """Causal SDPA under ``torch.distributed.tensor.experimental.context_parallel``.
+
+    q, k, v: the *full* sequence (B, H, S, d), the same on every rank of the
+    default group. PyTorch shards them in place along the sequence with its
+    head-tail load balancer (rank r: chunks r and 2 cp - 1 - r, our "zigzag"),
+    runs its ring attention inside SDPA, and restores them on exit. Returns
+    (this rank's output chunk, this rank's q chunk as PyTorch sharded it).
+
+    It shards only SDPA's CUDA kernels (flash, memory-efficient, cuDNN): on CPU
+    it raises NotImplementedError ("... does not have a sharding strategy
+    registered"), which this function lets through.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    mesh = init_device_mesh(q.device.type, (cp_size(),))
+    q, k, v = (x.clone() for x in (q, k, v))  # sharded in place: keep the caller's tensors
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out.detach().clone(), q.clone()

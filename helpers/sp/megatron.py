@@ -46,8 +46,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers.model import Block
-from helpers.tp import ColumnParallelLinear, RowParallelLinear, tp_rank, tp_size
-from helpers.tp.operators import _record
+from helpers.tp import (ColumnParallelLinear, RowParallelLinear, record_collective, tp_rank,
+                        tp_size)
 
 __all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "SequenceParallelBlock",
            "sequence_parallel_block", "allreduce_replicated_grads", "ring_wire_bytes"]
@@ -55,7 +55,7 @@ __all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "SequenceParall
 
 def _all_gather_seq(x, group, layer, direction):
     """(B, T/t, h) per rank -> (B, T, h), rank order along the sequence."""
-    _record("all_gather", x, layer, direction)
+    record_collective("all_gather", x, layer, direction)
     parts = [torch.empty_like(x) for _ in range(tp_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
@@ -67,44 +67,40 @@ def _reduce_scatter_seq(x, group, layer, direction):
     if x.size(1) % t:
         raise ValueError(f"sequence length {x.size(1)} does not divide over "
                          f"tensor-parallel size {t}")
-    _record("reduce_scatter", x, layer, direction)
+    record_collective("reduce_scatter", x, layer, direction)
     out = torch.empty_like(x.chunk(t, dim=1)[0])
     dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(t, dim=1)], group=group)
     return out
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    """All-gather forward, reduce-scatter backward (Korthikanti sec. 4.2.2, g-bar)."""
+class _SequenceCollective(torch.autograd.Function):
+    """One edge of a tensor-parallel region under SP (Korthikanti sec. 4.2.2, Fig. 5).
+
+    ``gather=True`` is g-bar: all-gather forward, reduce-scatter backward.
+    ``gather=False`` is g: reduce-scatter forward, all-gather backward.
+    Each is the other's conjugate, so one Function serves both.
+    """
 
     @staticmethod
-    def forward(ctx, x, group, layer):
-        ctx.group, ctx.layer = group, layer
-        return _all_gather_seq(x, group, layer, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group, ctx.layer, "backward"), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Reduce-scatter forward, all-gather backward (Korthikanti sec. 4.2.2, g)."""
-
-    @staticmethod
-    def forward(ctx, x, group, layer):
-        ctx.group, ctx.layer = group, layer
-        return _reduce_scatter_seq(x, group, layer, "forward")
+    def forward(ctx, x, group, layer, gather):
+        ctx.group, ctx.layer, ctx.gather = group, layer, gather
+        op = _all_gather_seq if gather else _reduce_scatter_seq
+        return op(x, group, layer, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group, ctx.layer, "backward"), None, None
+        op = _reduce_scatter_seq if ctx.gather else _all_gather_seq
+        return op(grad, ctx.group, ctx.layer, "backward"), None, None, None
 
 
 def gather_from_sequence(x, group=None, layer="gather_seq"):
-    return x if tp_size(group) == 1 else _GatherFromSequence.apply(x, group, layer)
+    """(B, T/t, h) -> (B, T, h): all-gather forward, reduce-scatter backward."""
+    return x if tp_size(group) == 1 else _SequenceCollective.apply(x, group, layer, True)
 
 
 def reduce_scatter_to_sequence(x, group=None, layer="reduce_scatter_seq"):
-    return x if tp_size(group) == 1 else _ReduceScatterToSequence.apply(x, group, layer)
+    """(B, T, h) partial sums -> (B, T/t, h): reduce-scatter forward, all-gather backward."""
+    return x if tp_size(group) == 1 else _SequenceCollective.apply(x, group, layer, False)
 
 
 class SequenceParallelBlock(nn.Module):

@@ -47,13 +47,13 @@ from helpers.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabPar
                                padded_vocab_size, shard, unshard)
 from helpers.tp.loss import vocab_parallel_cross_entropy
 from helpers.tp.operators import (CollectiveCounter, count_collectives, f, g, gather_last,
-                                  split_last, tp_rank, tp_size)
+                                  record_collective, split_last, tp_rank, tp_size)
 from helpers.tp.transformer import (ParallelSelfAttention, TensorParallelGPT, TPPlan,
                                     gather_dense, tensor_parallel_block, tensor_parallel_gpt,
                                     tp_comm_bytes, tp_plan)
 
 __all__ = ["f", "g", "gather_last", "split_last", "tp_size", "tp_rank", "count_collectives",
-           "CollectiveCounter", "ColumnParallelLinear", "RowParallelLinear",
+           "CollectiveCounter", "record_collective", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "padded_vocab_size", "shard", "unshard",
            "vocab_parallel_cross_entropy", "TPPlan", "tp_plan", "ParallelSelfAttention",
            "tensor_parallel_block", "TensorParallelGPT", "tensor_parallel_gpt", "gather_dense",

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 __all__ = ["tp_size", "tp_rank", "f", "g", "gather_last", "split_last", "CopyToTP",
            "ReduceFromTP", "GatherFromTP", "SplitToTP", "count_collectives", "CollectiveCounter",
-           "Collective"]
+           "Collective", "record_collective"]
 
 
 def tp_size(group=None) -> int:
@@ -118,7 +118,9 @@ def count_collectives():
         _ACTIVE.remove(counter)
 
 
-def _record(op: str, tensor: torch.Tensor, layer: str, direction: str) -> None:
+def record_collective(op: str, tensor: torch.Tensor, layer: str, direction: str) -> None:
+    """Log one collective on ``tensor`` in every open ``count_collectives()`` (other
+    mechanisms built on TP's counter, such as chapter 10's sequence parallelism, call it)."""
     for counter in _ACTIVE:
         counter.log.append(Collective(op, layer, direction, tensor.numel() * tensor.element_size()))
 
@@ -126,14 +128,14 @@ def _record(op: str, tensor: torch.Tensor, layer: str, direction: str) -> None:
 def all_reduce(x: torch.Tensor, group, layer: str, direction: str,
                op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``x`` over ``group``, recorded. Returns ``x``."""
-    _record("all_reduce" if op == dist.ReduceOp.SUM else "all_reduce(max)", x, layer, direction)
+    record_collective("all_reduce" if op == dist.ReduceOp.SUM else "all_reduce(max)", x, layer, direction)
     dist.all_reduce(x, op=op, group=group)
     return x
 
 
 def _all_gather_last(x: torch.Tensor, group, layer: str, direction: str) -> torch.Tensor:
     """(..., n) on each rank -> (..., t * n), rank order along the last dim."""
-    _record("all_gather", x, layer, direction)
+    record_collective("all_gather", x, layer, direction)
     parts = [torch.empty_like(x) for _ in range(tp_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
