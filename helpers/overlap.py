@@ -218,10 +218,12 @@ def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
             spans = [((e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3) for e in events]
             ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane], alpha=0.8,
                            edgecolor="white", linewidth=0.5)
-            for e, (x, w) in zip(events, spans):
-                if w >= min_width:
+            labelled_to = float("-inf")  # bars in flight together overlap: label the first
+            for e, (x, w) in sorted(zip(events, spans), key=lambda ev: ev[1][0]):
+                if w >= min_width and x >= labelled_to:
                     ax.text(x + w / 2, y, short_label(e["name"]), ha="center", va="center",
                             fontsize="x-small", color="white", clip_on=True)
+                    labelled_to = x + w
             yticks.append(y)
             labels.append(f"rank {r} {lane}")
     ax.set_yticks(yticks, labels)
