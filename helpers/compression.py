@@ -23,23 +23,29 @@ Three families
   gradient component is applied eventually.
 * **PowerSGD** (``PowerSGDHook``; Vogels et al. 2019, "PowerSGD: Practical
   Low-Rank Gradient Compression for Distributed Optimization", Algorithm 1):
-  view the bucket as an n x m matrix M and send a rank-r approximation
-  P Q^T: one power-iteration step from last step's Q (warm start, sec. 3),
-  ``P = M Q`` all-reduced and orthogonalized, ``Q = M^T P`` all-reduced.
-  Bytes: (n + m) r instead of n m. Because P and Q are *sums* over ranks,
-  plain all-reduce works (top-k needs all-gather: sparse supports differ).
-  Error feedback as above (sec. 3, "error feedback").
+  view each 2-D gradient of the bucket as the n x m matrix M it is and send
+  a rank-r approximation P Q^T: one power-iteration step from last step's Q
+  (warm start, sec. 3), ``P = M Q`` all-reduced and orthogonalized,
+  ``Q = M^T P`` all-reduced. Bytes: (n + m) r instead of n m per matrix;
+  1-D gradients (biases, LayerNorm) go uncompressed, as in the paper. Because
+  P and Q are *sums* over ranks, plain all-reduce works (top-k needs
+  all-gather: sparse supports differ). Error feedback as above (sec. 3). A
+  bucket's first ``start_iter`` steps are plain all-reduces (warm-up).
 
 Cost model (fp32 dense all-reduce = 2 (N-1)/N * 4 * numel bytes per rank):
 cast 0.5x; top-k (N-1) * k * 12 bytes (all-gather of values and indices) =
-1.5 * N * k / numel of dense; PowerSGD (n + m) r / (n m).
+1.5 * N * k / numel of dense; PowerSGD sum (n + m) r over matrices plus the
+1-D numel, over the bucket's numel.
 
-How production differs: PyTorch's ``powerSGD_hook`` compresses each tensor of
-the bucket separately (rank-1 tensors are sent uncompressed), starts after a
-warm-up of uncompressed steps (``start_powerSGD_iter``) and runs
-asynchronously on CUDA streams. Our top-k and PowerSGD hooks finish their
-collectives before returning (a completed future), so they do not overlap
-with backward; the cast hook does overlap.
+How production differs: PyTorch's ``cast`` hooks (``bf16_compress_hook``)
+cast first and divide in 16 bits (the same result for a power-of-two world
+size); its ``powerSGD_hook`` works as ``PowerSGDHook`` (per tensor, 1-D
+uncompressed, ``start_powerSGD_iter`` warm-up, ``min_compression_rate``),
+batches same-shape matrices, and chains its two all-reduces as futures on
+the CUDA side stream. Our ``asynchronous=True`` runs the same chain on a
+worker thread with its own process group. The top-k hook finishes its
+all-gathers before returning (a completed future): it does not overlap with
+backward.
 
 State (error, warm-start Q) is kept per bucket, keyed by the address of the
 bucket's flat buffer: BucketedDDP reuses one buffer per bucket. Every
@@ -50,6 +56,8 @@ rank's GPU with nccl).
 from __future__ import annotations
 
 import math
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -58,7 +66,7 @@ from helpers.comm import all_gather, ring_bytes_sent
 from helpers.ddp import completed_future
 from helpers.dp import world_size
 
-__all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "powersgd_shape"]
+__all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "should_compress"]
 
 
 class _Counting:
@@ -136,55 +144,169 @@ class TopKHook(_Counting):
         return completed_future(flat_grad.copy_(out.div_(n)))
 
 
-def powersgd_shape(numel: int) -> tuple[int, int]:
-    """A near-square (n, m) with n * m >= numel for viewing a flat bucket as a matrix."""
-    m = max(1, math.isqrt(max(numel, 1) - 1) + 1)  # ceil(sqrt(numel))
-    return -(-numel // m), m
+def should_compress(n: int, m: int, rank: int, min_rate: float = 2.0) -> bool:
+    """Worth compressing an n x m gradient at ``rank`` only if (n + m) r numbers
+    are at least ``min_rate`` times fewer than n m (torch's
+    ``min_compression_rate``); below that the matmuls and QR cost more than the
+    bytes they save."""
+    return (n + m) * rank * min_rate < n * m
 
 
 class PowerSGDHook(_Counting):
-    """Rank-``rank`` PowerSGD with warm start and error feedback (Vogels et al. 2019, Alg. 1)."""
+    """Rank-``rank`` PowerSGD per 2-D gradient, with warm start and error feedback
+    (Vogels et al. 2019, Algorithm 1; sec. 3 for warm start and feedback).
 
-    def __init__(self, rank: int = 2, error_feedback: bool = True, seed: int = 0):
+    * **Per tensor.** Each gradient of 2 or more dimensions is viewed as the
+      matrix (shape[0], rest) it is, so a layer's low rank survives; 1-D
+      gradients (biases, norms) and matrices too small to gain
+      (``should_compress``) go uncompressed in one all-reduce. The bucket's
+      layout comes from ``BucketedDDP`` (it calls ``bind``), or from
+      ``set_layout(flat, shapes)``; a bucket without a layout is sent
+      uncompressed.
+    * **Warm-up.** The first ``start_iter`` steps of each bucket are plain
+      all-reduces (torch's ``start_powerSGD_iter``): early gradients change
+      fast, so a warm-started Q lags, and early errors steer training for good.
+    * **Asynchronous.** With ``asynchronous=True`` a bucket is compressed on a
+      worker thread with its own process group (made in ``bind``), so backward
+      goes on computing meanwhile, as DDP's hook does on its own CUDA stream;
+      the worker handles buckets in launch order, so every rank issues the same
+      collectives in the same order on that group.
+
+    Per compressed bucket: P = M Q for every matrix, one all-reduce of all P's
+    (with the uncompressed tensors), QR of each P, Q = M^T P, one all-reduce of
+    all Q's, result P Q^T. Torch's ``powerSGD_hook`` does the same per tensor,
+    but also re-orthogonalizes the warm-started Q and draws a fresh random Q
+    from numpy's RNG per bucket; results agree up to that choice of start.
+    """
+
+    def __init__(self, rank: int = 2, error_feedback: bool = True, seed: int = 0,
+                 start_iter: int = 0, asynchronous: bool = False, min_rate: float = 2.0):
         super().__init__()
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive int, got {rank!r}")
+        if not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter (plain all-reduce steps first) must be an int >= 0, "
+                             f"got {start_iter!r}")
         self.rank, self.error_feedback, self.seed = rank, error_feedback, seed
+        self.start_iter, self.asynchronous, self.min_rate = start_iter, asynchronous, min_rate
         self.errors: dict[tuple[int, int], torch.Tensor] = {}
-        self.qs: dict[tuple[int, int], torch.Tensor] = {}
+        self.qs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.layouts: dict[tuple[int, int], list[tuple[torch.Size, int, int]]] = {}
+        self.calls: dict[tuple[int, int], int] = {}
+        self._side_group = None
+        self._jobs: queue.Queue | None = None
 
+    # -- layout and worker ---------------------------------------------------
+    def set_layout(self, flat: torch.Tensor, shapes) -> None:
+        """The tensors packed in ``flat``, in order: ``shapes`` as torch.Size / tuples."""
+        layout, off = [], 0
+        for shape in shapes:
+            numel = math.prod(shape)
+            layout.append((torch.Size(shape), off, off + numel))
+            off += numel
+        if off > flat.numel():
+            raise ValueError(f"the shapes hold {off} elements, the bucket only {flat.numel()}")
+        self.layouts[(flat.data_ptr(), flat.numel())] = layout
+
+    def bind(self, ddp) -> None:
+        """Called by ``BucketedDDP`` at construction (on every rank, in the same
+        order): read each bucket's layout; for ``asynchronous`` make the worker's
+        process group (a collective: every rank of the DDP group calls it)."""
+        for flat, layout in zip(ddp._flat, ddp._layout):
+            self.set_layout(flat, [p.shape for p, _, _ in layout])
+        if self.asynchronous and world_size(ddp.process_group) > 1:
+            ranks = (None if ddp.process_group is None
+                     else dist.get_process_group_ranks(ddp.process_group))
+            self._side_group = dist.new_group(ranks=ranks)
+            self._jobs = queue.Queue()
+            threading.Thread(target=self._worker, daemon=True).start()
+
+    def _worker(self) -> None:
+        while True:
+            flat, key, fut = self._jobs.get()
+            try:
+                self._compress(flat, key, self._side_group)
+                fut.set_result(flat)
+            except Exception as err:  # noqa: BLE001 - handed to whoever waits
+                fut.set_exception(err)
+
+    # -- the hook --------------------------------------------------------------
     def __call__(self, flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
         world = world_size(group)
         self._dense(flat_grad, world)
         key = (flat_grad.data_ptr(), flat_grad.numel())
-        n, m = powersgd_shape(flat_grad.numel())
-        r = min(self.rank, n, m)
-        # (n m,): the bucket, zero-padded to a matrix; fp32 whatever the bucket's
-        # dtype (QR in 16 bits loses the basis), on the bucket's device
-        M = torch.zeros(n * m, dtype=torch.float32, device=flat_grad.device)
-        M[:flat_grad.numel()] = flat_grad
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.calls[key] <= self.start_iter:  # warm-up: the plain average
+            self.bytes_sent += ring_bytes_sent("all_reduce", flat_grad.numel() * 4, world)
+            if world == 1:
+                return completed_future(flat_grad)
+            flat_grad.div_(world)
+            work = dist.all_reduce(flat_grad, group=group, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+        if self._jobs is not None:
+            fut = torch.futures.Future()
+            self._jobs.put((flat_grad, key, fut))
+            return fut
+        self._compress(flat_grad, key, group)
+        return completed_future(flat_grad)
+
+    def _compress(self, flat: torch.Tensor, key, group) -> None:
+        """Replace ``flat`` by the mean over ranks: rank r for the matrices worth
+        compressing, exact for the rest."""
+        world = world_size(group)
+        layout = self.layouts.get(key) or [(torch.Size([flat.numel()]), 0, flat.numel())]
+        # (numel,): gradient plus what earlier steps owed; fp32 whatever the
+        # bucket's dtype (QR in 16 bits loses the basis)
+        acc = flat.to(torch.float32, copy=True)
         if self.error_feedback and key in self.errors:
-            M += self.errors[key]
-        M = M.view(n, m)
-        if key not in self.qs:
-            # Every rank draws the same Q (same seed): P = M Q must use one Q.
-            # Drawn on the CPU, then moved: the same numbers on every device.
-            g = torch.Generator().manual_seed(self.seed)
-            self.qs[key] = torch.randn(m, r, generator=g).to(M.device, M.dtype)
-        Q = self.qs[key]
-        P = M @ Q                                          # (n, r)
-        self._allreduce_mean(P, group, world)
-        P = torch.linalg.qr(P).Q                           # orthonormal columns
-        Q = M.t() @ P                                      # (m, r)
-        self._allreduce_mean(Q, group, world)
-        self.qs[key] = Q                                   # warm start next step
-        approx = P @ Q.t()                                 # (n, m): mean over ranks, rank r
+            acc += self.errors[key]
+        mats, plain = [], []  # (layout index, (n, m) view, r) / layout index
+        for i, (shape, a, b) in enumerate(layout):
+            n, m = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, b - a)
+            r = min(self.rank, n, m)
+            if len(shape) >= 2 and should_compress(n, m, r, self.min_rate):
+                mats.append((i, acc[a:b].view(n, m), r))
+            else:
+                plain.append(i)
+        Ps = [M @ self._q(key, i, M, r) for i, M, r in mats]           # (n, r) each
+        # First all-reduce: the uncompressed tensors and every P, in one buffer.
+        sizes = [layout[i][2] - layout[i][1] for i in plain] + [P.numel() for P in Ps]
+        first = torch.cat([acc[layout[i][1]:layout[i][2]] for i in plain]
+                          + [P.reshape(-1) for P in Ps]) if sizes else acc[:0].clone()
+        self._allreduce_mean(first, group, world)
+        parts = first.split(sizes)
+        out = torch.empty_like(acc)
+        for i, part in zip(plain, parts):
+            out[layout[i][1]:layout[i][2]] = part                       # exact mean
+        Ps = [torch.linalg.qr(part.view_as(P)).Q                        # orthonormal columns
+              for part, P in zip(parts[len(plain):], Ps)]
+        # Second all-reduce: every Q = M^T P.
+        Qs = [M.t() @ P for (_, M, _), P in zip(mats, Ps)]              # (m, r) each
+        second = torch.cat([Q.reshape(-1) for Q in Qs]) if Qs else acc[:0].clone()
+        self._allreduce_mean(second, group, world)
+        for (i, M, r), P, Q in zip(mats, Ps, second.split([Q.numel() for Q in Qs])):
+            Q = Q.view(M.shape[1], r)
+            self.qs[(key, i)] = Q                                       # warm start
+            out[layout[i][1]:layout[i][2]] = (P @ Q.t()).reshape(-1)    # rank-r mean
+        tail = layout[-1][2] if layout else 0
+        out[tail:] = 0  # padding past the last tensor, if any
         if self.error_feedback:
-            self.errors[key] = (M - approx).reshape(-1)
-        return completed_future(flat_grad.copy_(approx.reshape(-1)[:flat_grad.numel()]))
+            # local minus global: summed over ranks the exact parts cancel, the
+            # compressed parts leave what rank r did not carry (torch's convention)
+            self.errors[key] = acc - out
+        flat.copy_(out)
+
+    def _q(self, key, i: int, M: torch.Tensor, r: int) -> torch.Tensor:
+        """Last step's Q for tensor ``i`` (warm start), or the same random one on every rank."""
+        if (key, i) not in self.qs:
+            # Drawn on the CPU from a seeded generator, then moved: the same
+            # numbers on every rank and device (P = M Q must use one Q).
+            g = torch.Generator().manual_seed(self.seed + i)
+            self.qs[(key, i)] = torch.randn(M.shape[1], r, generator=g).to(M.device, M.dtype)
+        return self.qs[(key, i)]
 
     def _allreduce_mean(self, t: torch.Tensor, group, world: int) -> None:
         self.bytes_sent += ring_bytes_sent("all_reduce", t.numel() * t.element_size(), world)
-        if world > 1:
+        if world > 1 and t.numel():
             t.div_(world)
             dist.all_reduce(t, group=group)

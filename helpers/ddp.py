@@ -59,7 +59,10 @@ bucket pays one alpha but cannot start until backward ends.
 ``comm_hook(flat_grad, group) -> torch.futures.Future`` replaces the
 all-reduce of a bucket (DDP's ``register_comm_hook``). The future must
 resolve to the *averaged* flat gradient, same shape. Chapter 16 plugs
-compression in here.
+compression in here. A hook with a ``bind(ddp)`` method is handed the
+BucketedDDP once, at construction, on every rank (PowerSGD reads which
+tensors each bucket holds, as DDP's ``GradBucket.gradients()`` tells torch's
+hooks).
 
 How production differs: DDP's reducer is C++; it makes ``.grad`` a view into
 the bucket (no copy back, ``gradient_as_bucket_view``), supports sparse
@@ -237,6 +240,8 @@ class BucketedDDP(nn.Module):
             self._layout.append(layout)
             self._flat.append(torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        if hasattr(self.comm_hook, "bind"):  # a hook that needs the buckets' layout
+            self.comm_hook.bind(self)
         self._unused: list[nn.Parameter] = []
         self._expect_hooks = False
         self._in_backward = False

@@ -15,10 +15,13 @@ finishes). A communication span starts when the collective is
 issued and ends when it completes: ``Timeline.comm(work, name)`` attaches a
 callback to the async work's future, which runs on the communication thread
 as soon as the data has arrived, so the end time is not delayed by the
-moment we happen to ``wait()``. Gloo's reduce-scatter has no future; its
-span is closed by ``Timeline.poll()`` at the next hook that finds it
-completed (or at the ``wait()`` that returns it, ``Timeline.waited``), so its
-end is accurate to the next hook.
+moment we happen to ``wait()``. Gloo's reduce-scatter has no future; for it
+a small watcher thread blocks in ``work.wait()`` (which releases the GIL)
+and stamps the end the moment it returns. Closing such a span at the next
+place the training thread happens to look instead would stretch it by
+whatever the thread computed meanwhile: a reduce-scatter issued after unit
+k's backward would appear to last until unit k-1's backward ended, and
+"communication in flight" would approach the whole backward.
 
     exposed = | union(wait spans) within union(comm spans) |
     hidden  = | union(comm spans) | - exposed
@@ -50,7 +53,7 @@ from typing import Callable, Iterable
 
 
 __all__ = ["Timeline", "union_length", "exposed_comm", "ddp_timeline", "plot_timelines",
-           "export_trace"]
+           "short_label", "export_trace"]
 
 
 class Timeline:
@@ -59,8 +62,8 @@ class Timeline:
 
     def __init__(self) -> None:
         self.events: list[dict] = []
-        self._polled: list = []
         self._lock = threading.Lock()
+        self._watchers: dict[int, threading.Thread] = {}  # id(work) -> its watcher
 
     def add(self, lane: str, name: str, start: float, end: float) -> None:
         if end < start:
@@ -82,31 +85,29 @@ class Timeline:
         try:
             fut = work.get_future()
         except RuntimeError:
-            # Some gloo collectives (reduce-scatter) have no future: poll()
-            # closes their span at the next hook that sees them completed.
-            self._polled.append((work, name, t0))
+            # Some gloo collectives (reduce-scatter) have no future: a watcher
+            # thread waits for the work and closes the span when it returns.
+            watcher = threading.Thread(target=self._watch, args=(work, name, t0), daemon=True)
+            self._watchers[id(work)] = watcher
+            watcher.start()
             return
         fut.add_done_callback(lambda _: self.add("comm", name, t0, time.perf_counter()))
 
-    def waited(self, work) -> None:
-        """``work.wait()`` returned: close its span now if it had no future."""
-        now, still = time.perf_counter(), []
-        for w, name, t0 in self._polled:
-            if w is work:
-                self.add("comm", name, t0, now)
-            else:
-                still.append((w, name, t0))
-        self._polled = still
+    def _watch(self, work, name: str, t0: float) -> None:
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - the training thread's own wait reports it
+            return
+        self.add("comm", name, t0, time.perf_counter())
 
-    def poll(self) -> None:
-        """Close the spans of future-less collectives that have completed."""
-        now, still = time.perf_counter(), []
-        for work, name, t0 in self._polled:
-            if work.is_completed():
-                self.add("comm", name, t0, now)
-            else:
-                still.append((work, name, t0))
-        self._polled = still
+    def settle(self, work=None) -> None:
+        """Let the watcher of ``work`` (default: every watcher) record its span:
+        after ``work.wait()`` returned it is microseconds from done."""
+        keys = list(self._watchers) if work is None else [id(work)]
+        for key in keys:
+            watcher = self._watchers.pop(key, None)
+            if watcher is not None:
+                watcher.join()
 
     def clear(self) -> None:
         with self._lock:
@@ -119,7 +120,6 @@ class Timeline:
 def record_comm(timeline: "Timeline | None", work, name: str, start: float) -> None:
     """Note an async collective issued at ``start`` on ``timeline`` (if any)."""
     if timeline is not None:
-        timeline.poll()
         timeline.comm(work, name, start)
 
 
@@ -130,8 +130,7 @@ def wait_comm(timeline: "Timeline | None", work, name: str) -> None:
     work.wait()
     if timeline is not None:
         timeline.add("wait", name, t0, time.perf_counter())
-        timeline.waited(work)
-        timeline.poll()
+        timeline.settle(work)
 
 
 def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -180,27 +179,56 @@ def ddp_timeline(ddp_events: list[dict], backward_start: float, backward_end: fl
     return out
 
 
+_SHORT = {"forward": "F", "backward": "B", "all-gather": "AG", "reduce-scatter": "RS",
+          "all-reduce": "AR", "wait": "W"}
+
+
+def short_label(name: str) -> str:
+    """"all-gather blocks.1" -> "AG1", "backward blocks.2" -> "B2", "all-reduce
+    bucket 3" -> "AR3": a label that fits on a bar (the key is printed under
+    the chart)."""
+    words = name.replace(".", " ").split()
+    if not words:
+        return ""
+    head = _SHORT.get(words[0], words[0][:2])
+    if words[-1].isdigit():
+        return head + words[-1]
+    return head + (" root" if len(words) > 1 and words[-1] == "root" else "")
+
+
 def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
     """Gantt chart: three rows (compute, comm, wait) per rank, time in ms
-    from the earliest event."""
+    from the earliest event; every bar wide enough carries its short label
+    (``short_label``: F/B = forward/backward of a unit, AG/RS/AR = all-gather,
+    reduce-scatter, all-reduce, then the unit or bucket number)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.9 + 0.9 * len(timelines)))
     t0 = min(e["start"] for tl in timelines for e in tl)
+    t1 = max(e["end"] for tl in timelines for e in tl)
+    min_width = 0.03 * (t1 - t0) * 1e3  # narrower bars would carry unreadable text
     colors = {"compute": "tab:blue", "comm": "tab:orange", "wait": "tab:red"}
     lanes = ("compute", "comm", "wait")
     yticks, labels = [], []
     for r, tl in enumerate(timelines):
         for j, lane in enumerate(lanes):
             y = -(len(lanes) * r + j)
-            spans = [((e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3)
-                     for e in tl if e["lane"] == lane]
-            ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane], alpha=0.8)
+            events = [e for e in tl if e["lane"] == lane]
+            spans = [((e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3) for e in events]
+            ax.broken_barh(spans, (y - 0.4, 0.8), color=colors[lane], alpha=0.8,
+                           edgecolor="white", linewidth=0.5)
+            labelled_to = float("-inf")  # bars in flight together overlap: label the first
+            for e, (x, w) in sorted(zip(events, spans), key=lambda ev: ev[1][0]):
+                if w >= min_width and x >= labelled_to:
+                    ax.text(x + w / 2, y, short_label(e["name"]), ha="center", va="center",
+                            fontsize="x-small", color="white", clip_on=True)
+                    labelled_to = x + w
             yticks.append(y)
             labels.append(f"rank {r} {lane}")
     ax.set_yticks(yticks, labels)
-    ax.set_xlabel("ms")
+    ax.set_xlabel("ms  (F/B forward/backward of a unit, AG all-gather, RS reduce-scatter, "
+                  "AR all-reduce; number = unit or bucket)")
     if title:
         ax.set_title(title)
     return ax

@@ -8,7 +8,7 @@ from helpers.checks import ch06
 from tools.nbtool import exercise
 
 SOL, LAB = "solutions/06_where_memory_goes_solution.ipynb", "labs/06_where_memory_goes_lab.ipynb"
-CASES = [("model_state_bytes", ch06.check_model_state_bytes),
+CASES = [("step_peak", ch06.check_step_peak),
          ("activation_bytes", ch06.check_activation_bytes),
          ("saved_bytes", ch06.check_saved_bytes)]
 
@@ -91,3 +91,16 @@ def test_counter_using_numel_fails():
         return sum(seen.values())
     with pytest.raises(CheckFailed):
         ch06.check_saved_bytes(count)
+
+
+def test_step_peak_mistakes_fail():
+    def sum_of_parts(budget, layers):  # as if everything were alive at once
+        return sum(budget.values())
+
+    def no_grads(budget, layers):  # forgets the gradients of backward and the step
+        return budget["weights"] + budget["optimizer"] + budget["activations"]
+
+    with pytest.raises(CheckFailed, match="sum of all four"):
+        ch06.check_step_peak(sum_of_parts)
+    with pytest.raises(CheckFailed, match="gradients are alive"):
+        ch06.check_step_peak(no_grads)

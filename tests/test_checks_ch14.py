@@ -15,6 +15,7 @@ LAB, SOL = "labs/14_zero_stages_lab.ipynb", "solutions/14_zero_stages_solution.i
     ("shard_bounds", ch14.check_shard_bounds),
     ("zero1_step", ch14.check_zero1_step),
     ("reduce_scatter_bucket", ch14.check_reduce_scatter_bucket),
+    ("attach_zero2", ch14.check_attach_zero2),
 ])
 def test_solution_passes_and_stub_fails(name, check, capsys):
     check(exercise(SOL, name))
@@ -81,3 +82,43 @@ def test_bucket_mistakes_fail():
 
     with pytest.raises(CheckFailed):
         ch14.check_reduce_scatter_bucket(unpadded)
+
+
+def _zero2(free=True, average=True, accumulate=True, all_reduce=False):
+    """The solution's mechanism with one switch turned wrong at a time."""
+    def attach_zero2(model, group=None):
+        N, r = dist.get_world_size(group), dist.get_rank(group)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        shards = {}
+
+        def hook(p):
+            numel = p.grad.numel()
+            buf = torch.zeros(-(-numel // N) * N)
+            buf[:numel] = p.grad.reshape(-1) / (N if average else 1)
+            if all_reduce:  # the full average on every rank, then keep a slice
+                dist.all_reduce(buf, group=group)
+                chunk = buf[r * (buf.numel() // N):(r + 1) * (buf.numel() // N)].clone()
+            else:
+                chunk = torch.empty(buf.numel() // N)
+                reduce_scatter(chunk, buf, group=group)
+            n = name_of[id(p)]
+            shards[n] = shards[n] + chunk if (n in shards and accumulate) else chunk
+            if free:
+                p.grad = None
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        return shards
+
+    return attach_zero2
+
+
+@pytest.mark.parametrize("wrong, match", [
+    (dict(free=False), "still in p.grad"),
+    (dict(average=False), "2x the average"),
+    (dict(accumulate=False), "Add into the shard"),
+    (dict(all_reduce=True), "all_reduce refused"),
+])
+def test_zero2_hook_mistakes_fail(wrong, match):
+    with pytest.raises(CheckFailed, match=match):
+        ch14.check_attach_zero2(_zero2(**wrong))

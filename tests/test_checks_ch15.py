@@ -63,3 +63,49 @@ def test_never_freeing_fails():
 
     with pytest.raises(CheckFailed, match="still gathered"):
         ch15.check_attach(gather, free, attach_no_free)
+
+
+def test_post_backward_solution_passes_and_stub_fails(capsys):
+    ch15.check_post_backward(exercise(SOL, "post_backward"))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch15.check_post_backward(exercise(LAB, "post_backward"))
+
+
+def _post_backward(average=True, drop=True, free_unit=True, all_reduce=False):
+    """The solution's mechanism with one switch turned wrong at a time."""
+    import torch.distributed as dist
+
+    from helpers.zero import reduce_scatter
+
+    def post_backward(unit, free):
+        N, r = dist.get_world_size(unit.group), dist.get_rank(unit.group)
+        flat = torch.zeros(unit.full.numel())
+        off = 0
+        for p in unit.params:
+            flat[off:off + p.numel()] = p.grad.reshape(-1) / (N if average else 1)
+            off += p.numel()
+            if drop:
+                p.grad = None
+        if all_reduce:
+            dist.all_reduce(flat, group=unit.group)
+            chunk = flat.chunk(N)[r].clone()
+        else:
+            chunk = torch.empty_like(unit.shard)
+            reduce_scatter(chunk, flat, group=unit.group)
+        if free_unit:
+            free(unit)
+        return chunk
+
+    return post_backward
+
+
+@pytest.mark.parametrize("wrong, match", [
+    (dict(average=False), "average"),
+    (dict(drop=False), "still in p.grad"),
+    (dict(free_unit=False), "still gathered"),
+    (dict(all_reduce=True), "all_reduce refused"),
+])
+def test_post_backward_mistakes_fail(wrong, match):
+    with pytest.raises(CheckFailed, match=match):
+        ch15.check_post_backward(_post_backward(**wrong))

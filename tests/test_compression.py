@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import launch, rank_info
-from helpers.compression import PowerSGDHook, TopKHook, cast_hook, powersgd_shape
+from helpers.compression import PowerSGDHook, TopKHook, cast_hook, should_compress
 from helpers.tolerance import gamma
 
 
@@ -38,12 +38,22 @@ def _flat_cases():
         out["topk_steps"].append((message, averaged))
     out["topk_error"], out["topk_hook_error"] = err, h.errors[(buf.data_ptr(), 30)]
     out["topk_ratio"] = h.compression
-    # PowerSGD at full rank: exact mean (to rounding)
-    n, m = powersgd_shape(30)
-    out["psgd_full"] = PowerSGDHook(rank=max(n, m))(grads[0].clone()).wait()
+    # PowerSGD on one 5 x 6 gradient at full rank (min_rate=0 compresses even
+    # when it saves nothing): the exact mean, to rounding
+    buf = grads[0].clone()
+    h = PowerSGDHook(rank=5, min_rate=0)
+    h.set_layout(buf, [(5, 6)])
+    out["psgd_full"] = h(buf).wait()
+    buf = grads[0].clone()
     h = PowerSGDHook(rank=1)
-    h(grads[0].clone())
+    h.set_layout(buf, [(5, 6)])
+    h(buf)
     out["psgd_ratio"] = h.compression
+    # a 5 x 4 matrix and a 10-vector in one bucket, rank 1 after 2 plain steps
+    h = PowerSGDHook(rank=1, start_iter=2, min_rate=0)
+    buf = torch.empty(30)
+    h.set_layout(buf, [(5, 4), (10,)])
+    out["psgd_steps"] = [h(buf.copy_(gr)).wait().clone() for gr in grads]
     out["grads"] = grads
     return out
 
@@ -54,7 +64,6 @@ def test_hooks_on_flat_tensors():
     g0, g1 = res[0]["grads"][0], res[1]["grads"][0]
     mean0 = (g0 + g1) / 2  # one fp32 rounding (the halving is exact)
     abs_mean = (g0.abs() + g1.abs()) / 2
-    n, m = powersgd_shape(30)
     for r in res:
         # bf16: each rank's g/2 is rounded to bf16, then their sum is rounded
         # again: two bf16 roundings of terms adding up to (|g0| + |g1|) / 2
@@ -71,11 +80,24 @@ def test_hooks_on_flat_tensors():
         # 19.3), plus two matmuls of length n and m. Bound: gamma(k) ||M||_F
         # with k = 10 (n + m), 10 standing in for Higham's unnamed small
         # constants. A missing average would be off by |mean|, ~1e5 x more.
-        bound = gamma(10 * (n + m)) * float(mean0.norm())
+        bound = gamma(10 * (5 + 6)) * float(mean0.norm())
         assert (r["psgd_full"] - mean0).abs().max() <= bound
+        # warm-up: the first two steps are the plain mean, bit for bit (the
+        # halving is exact, the sum one rounding, as in mean0); afterwards the
+        # 10-vector stays exact and the 5 x 4 matrix is rank 1, not the mean
+        g0s, g1s = res[0]["grads"], res[1]["grads"]
+        for step in range(3):
+            mean = (g0s[step] + g1s[step]) / 2
+            got = r["psgd_steps"][step]
+            if step < 2:
+                assert torch.equal(got, mean), step
+            else:
+                assert torch.equal(got[20:], mean[20:])
+                assert torch.linalg.matrix_rank(got[:20].view(5, 4)) == 1
+                assert not torch.allclose(got[:20], mean[:20], atol=1e-3)
         # all-gather of k values + k int64 indices from 2 ranks: 1.5 * N * k / numel
         assert r["topk_ratio"] == pytest.approx(1.5 * 2 * 6 / 30)
-        assert r["psgd_ratio"] == pytest.approx((n + m) * 1 / 30)
+        assert r["psgd_ratio"] == pytest.approx((5 + 6) * 1 / 30)
     # top-k with error feedback: each step's result is the mean of the two
     # ranks' hand-computed messages (6 of 30 entries each), and the hook's
     # error after 3 steps is the hand-computed one (same operations: exact).
@@ -99,7 +121,7 @@ def _train(hook_name, steps):
     r = rank_info()
     hooks = {"none": None, "bf16": cast_hook(torch.bfloat16),
              "topk": TopKHook(0.05), "topk_noef": TopKHook(0.05, error_feedback=False),
-             "powersgd": PowerSGDHook(rank=8), "powersgd_noef": PowerSGDHook(8, False)}
+             "powersgd": PowerSGDHook(rank=4), "powersgd_noef": PowerSGDHook(4, False)}
     hook = hooks[hook_name] if isinstance(hook_name, str) else PowerSGDHook(rank=hook_name)
     data = make_dataset(num_sequences=1024, seq_len=16)
     ddp = BucketedDDP(build_model("toy", seed=0), bucket_cap_mb=0.05, comm_hook=hook)
@@ -125,18 +147,26 @@ def test_training_with_compression_close_to_uncompressed():
     base = res["none"]["loss"]
     # In 150 steps the toy GPT goes from ~4.2 to ~2.9 nats (mean of the last 5
     # steps). bf16 rounding changes almost nothing. With error feedback, top-k
-    # at 5 % must end within 0.15 nats and PowerSGD rank 8 within 0.3 nats of
-    # uncompressed training (measured: ~0.11 and ~0.22 on this seed; about
-    # 10 % and 20 % of the drop), and each must beat itself without feedback.
+    # at 5 % must end within 0.15 nats and PowerSGD rank 4 (per matrix) within
+    # 0.2 nats of uncompressed training (measured: 0.11 and 0.10 on this seed,
+    # about 8 % of the drop), and each must beat itself without feedback
+    # (measured: 0.24 and 0.61 nats behind).
     assert abs(res["bf16"]["loss"] - base) < 0.01
     assert res["topk"]["loss"] - base < 0.15, res
-    assert res["powersgd"]["loss"] - base < 0.3, res
+    assert res["powersgd"]["loss"] - base < 0.2, res
     assert res["topk"]["loss"] < res["topk_noef"]["loss"]
     assert res["powersgd"]["loss"] < res["powersgd_noef"]["loss"]
-    # bytes: bf16 half; top-k 1.5 N k / numel = 0.15; PowerSGD (n + m) r / (n m)
+    # bytes: bf16 half; top-k 1.5 N k / numel = 0.15; PowerSGD: (n + m) r for
+    # each matrix worth compressing, numel for the rest (1-D and small ones)
     assert res["bf16"]["ratio"] == pytest.approx(0.5)
     assert res["topk"]["ratio"] == pytest.approx(1.5 * 2 * 0.05, rel=0.01)
-    assert res["powersgd"]["ratio"] < 0.1
+    from helpers.model import build_model
+    sent = total = 0
+    for p in build_model("toy", seed=0).parameters():
+        n, m = (p.shape[0], p[0].numel()) if p.dim() >= 2 else (1, p.numel())
+        sent += (n + m) * 4 if p.dim() >= 2 and should_compress(n, m, 4) else p.numel()
+        total += p.numel()
+    assert res["powersgd"]["ratio"] == pytest.approx(sent / total)
 
 
 def test_bad_arguments():
@@ -146,7 +176,10 @@ def test_bad_arguments():
         TopKHook(0)
     with pytest.raises(ValueError):
         PowerSGDHook(rank=0)
-    assert powersgd_shape(30) == (5, 6) and powersgd_shape(36) == (6, 6)
+    with pytest.raises(ValueError, match="start_iter"):
+        PowerSGDHook(rank=2, start_iter=-1)
+    # torch's min_compression_rate test: (n + m) r * rate < n m
+    assert should_compress(32, 128, 4) and not should_compress(32, 32, 8)
 
 
 def test_hooks_keep_the_buckets_device():
@@ -177,3 +210,104 @@ def test_hooks_on_gpu_with_nccl():
         # one rank: the mean is the gradient itself; bf16 rounds to 8 bits,
         # full-rank PowerSGD and top-k at 100% to fp32 rounding
         assert diff < (2e-2 if name == "bf16" else 1e-5), (name, diff)
+
+
+def _against_torch_hooks():
+    """The same model and batch under torch's DDP with its hook and under
+    BucketedDDP with ours, one bucket each (bucket_cap_mb=1000)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from helpers.ddp import BucketedDDP
+    from helpers.model import build_model
+
+    r = rank_info()
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(r.rank))
+    out = {"cast": {}, "psgd": []}
+    # bf16: torch casts, then halves in bf16; we halve in fp32, then cast. For
+    # 2 ranks halving is exact either way, so the grads must be bit-equal.
+    theirs, mine = build_model("toy", seed=0), build_model("toy", seed=0)
+    ddp = DDP(theirs, bucket_cap_mb=1000)
+    # DDP refuses to register bf16_compress_hook itself without CUDA/NCCL (a
+    # check on its name); the hook's own code runs on gloo, so call it by hand
+    ddp.register_comm_hook(None, lambda st, bucket: default_hooks.bf16_compress_hook(st, bucket))
+    ours = BucketedDDP(mine, bucket_cap_mb=1000, comm_hook=cast_hook(torch.bfloat16))
+    for m in (ddp, ours):
+        m(x, x)[1].backward()
+    out["cast"] = [torch.equal(a.grad, b.grad) for a, b in zip(theirs.parameters(),
+                                                                 mine.parameters())]
+    # PowerSGD rank 2, error feedback, warm start, 2 plain steps first
+    R = 2
+    theirs, mine = build_model("toy", seed=0), build_model("toy", seed=0)
+    ddp = DDP(theirs, bucket_cap_mb=1000)
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=R, start_powerSGD_iter=2)
+    order = []  # torch's bucket order, to map its state onto ours
+
+    def hook(st, bucket):
+        order[:] = [id(p) for p in bucket.parameters()]
+        return psgd.powerSGD_hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    h = PowerSGDHook(R, start_iter=2, asynchronous=True)
+    ours = BucketedDDP(mine, bucket_cap_mb=1000, comm_hook=h)
+    name = {id(p): n for n, p in theirs.named_parameters()}
+    slot = {n: i for i, (n, _) in enumerate(
+        sorted(((n, p) for n, p in mine.named_parameters()),
+               key=lambda np_: [id(q) for q, _, _ in ours._layout[0]].index(id(np_[1]))))}
+    key = (ours._flat[0].data_ptr(), ours._flat[0].numel())
+    for step in range(5):
+        if step >= 3:
+            _hand_state_over(state, h, key, [name[i] for i in order], dict(theirs.named_parameters()),
+                             slot, ours._layout[0], R)
+        for m in (ddp, ours):
+            m.zero_grad(set_to_none=True)
+            m(x, x)[1].backward()
+        out["psgd"].append({n: (a.grad.clone(), b.grad.clone()) for (n, a), (_, b)
+                            in zip(theirs.named_parameters(), mine.named_parameters())})
+    out["ratio"] = h.compression
+    return out
+
+
+def _hand_state_over(state, hook, key, torch_order, params, slot, layout, R):
+    """Copy torch's warm-start Q's and error (laid out in its bucket order, Q's
+    grouped by shape) into our hook's per-tensor state: from then on both start
+    from the same numbers, so they must agree to rounding."""
+    groups = {}
+    for n in torch_order:
+        s = params[n].shape
+        if len(s) >= 2 and should_compress(s[0], s[1:].numel(), min(R, s[0], s[1:].numel())):
+            groups.setdefault((s[0], s[1:].numel()), []).append(n)
+    q, off = state.q_memory_dict[0], 0
+    for (_, m), names in groups.items():
+        for n in names:
+            hook.qs[(key, slot[n])] = q[off:off + m * R].view(m, R).clone()
+            off += m * R
+    err, off = torch.zeros_like(hook.errors[key]), 0
+    for n in torch_order:
+        _, a, b = layout[slot[n]]
+        err[a:b] = state.error_dict[0][off:off + b - a]
+        off += b - a
+    hook.errors[key] = err
+
+
+@pytest.mark.slow
+def test_same_bucket_as_torchs_bf16_and_powersgd_hooks():
+    res = launch(_against_torch_hooks, 2, timeout=120)
+    for r in res:
+        assert all(r["cast"]), "cast_hook differs from bf16_compress_hook"
+        for step, grads in enumerate(r["psgd"]):
+            for n, (theirs, mine) in grads.items():
+                if step < 2 or theirs.dim() == 1:
+                    # warm-up steps and 1-D tensors: the plain mean, bit for bit
+                    assert torch.equal(theirs, mine), (step, n)
+                elif step >= 3:
+                    # same Q, same error, same arithmetic up to torch's extra
+                    # QR of Q (which leaves span and result unchanged): the QR
+                    # bound of test_hooks_on_flat_tensors, k = 10 (n + m)
+                    k = 10 * (theirs.shape[0] + theirs[0].numel())
+                    assert (theirs - mine).norm() <= gamma(k) * theirs.norm(), (step, n)
+        # step 2: each drew its own random Q; the compressed matrices differ
+        # (the comparison above can fail)
+        assert any(not torch.allclose(a, b, atol=1e-3) for a, b in r["psgd"][2].values()
+                   if a.dim() == 2)

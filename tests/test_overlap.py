@@ -143,3 +143,33 @@ def test_export_trace_drops_profiler_chatter_but_keeps_other_stderr(tmp_path, ca
     err = capfd.readouterr().err
     assert os.path.getsize(path) > 0
     assert "USDT" not in err and "a real warning" in err
+
+
+def _reduce_scatter_span(sleep_s):
+    import time
+
+    import torch.distributed as dist
+
+    from helpers.comm import reduce_scatter
+    from helpers.overlap import wait_comm
+
+    tl = Timeline()
+    dist.barrier()  # both ranks issue the collective together
+    out, inp = torch.empty(4), torch.ones(8)
+    t0 = time.perf_counter()
+    work = reduce_scatter(out, inp, async_op=True)
+    tl.comm(work, "reduce-scatter", t0)
+    time.sleep(sleep_s)  # the training thread "computes" and does not look
+    t_wait = time.perf_counter()
+    wait_comm(tl, work, "reduce-scatter")
+    span = next(e for e in tl.events if e["lane"] == "comm")
+    return {"end": span["end"], "t_wait": t_wait, "out": out}
+
+
+def test_future_less_reduce_scatter_ends_when_it_completes():
+    """Gloo's reduce-scatter has no future. Its span must close when the data
+    arrives (a watcher thread), not when the training thread next looks: a
+    2-element reduce-scatter finishes long before a 1 s sleep ends."""
+    for r in launch(_reduce_scatter_span, 2, 1.0, timeout=60):
+        assert torch.equal(r["out"], torch.full((4,), 2.0))
+        assert r["end"] < r["t_wait"], "span closed at the wait, not at completion"

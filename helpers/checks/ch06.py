@@ -1,14 +1,17 @@
-"""Checks for lab 06: the saved-tensor counter, the model-state and activation formulas."""
+"""Checks for lab 06: memory over a step, the activation formula, the saved-tensor counter
+(and the model-state formula, which lab 01 covers)."""
 
 from __future__ import annotations
 
 import torch
 
 from helpers.checks import CheckFailed, attempt, expect_close, passed
-from helpers.memory import SavedTensorCounter, activation_bytes_per_layer, model_state_bytes
+from helpers.memory import (SavedTensorCounter, activation_bytes_per_layer, memory_over_step,
+                            model_state_bytes)
 from helpers.model import build_model
 
-__all__ = ["check_model_state_bytes", "check_activation_bytes", "check_saved_bytes"]
+__all__ = ["check_step_peak", "check_model_state_bytes", "check_activation_bytes",
+           "check_saved_bytes"]
 
 
 def check_model_state_bytes(learner_fn) -> None:
@@ -21,6 +24,38 @@ def check_model_state_bytes(learner_fn) -> None:
         expect_close(got, want, f"n_params={n:g}, dp={dp}, zero_stage={stage}", rel=1e-9)
     passed("model-state bytes: 70B -> 1,120 GB and ZeRO Fig. 1 "
            "(120 / 31.4 / 16.6 / 1.9 GB) reproduced")
+
+
+STEP_BUDGETS = [  # (budget in GB, layers): activations above, then below, the gradients
+    ({"weights": 14.0, "grads": 14.0, "optimizer": 84.0, "activations": 52.0}, 32),
+    ({"weights": 14.0, "grads": 14.0, "optimizer": 84.0, "activations": 6.0}, 32),
+    ({"weights": 2.0, "grads": 2.0, "optimizer": 12.0, "activations": 2.0}, 1),
+    ({"weights": 140.0, "grads": 140.0, "optimizer": 840.0, "activations": 700.0}, 80),
+]
+
+
+def check_step_peak(learner_fn) -> None:
+    """``learner_fn(budget, layers) -> peak bytes`` over one step, against
+    ``helpers.memory.memory_over_step``."""
+    for budget, layers in STEP_BUDGETS:
+        want = max(sum(parts.values()) for _, parts in memory_over_step(budget, layers))
+        got = attempt(learner_fn, dict(budget), layers, what="step_peak")
+        try:
+            value = float(got)
+        except (TypeError, ValueError):
+            raise CheckFailed(f"step_peak should return a number of bytes, got {got!r}") from None
+        if abs(value - want) > 1e-9 * want:
+            total = sum(budget.values())
+            hint = ""
+            if abs(value - total) <= 1e-9 * total:
+                hint = (" That is the sum of all four parts: they are never all alive at once "
+                        "(backward frees a layer's activations where its gradients appear).")
+            elif abs(value - (total - budget["grads"])) <= 1e-9 * total:
+                hint = " The gradients are alive too, at the end of backward and at the step."
+            raise CheckFailed(f"step_peak({budget}, layers={layers}) = {value:g}, expected "
+                              f"{want:g}.{hint}")
+    passed("peak over a step: weights + optimizer + the larger of activations (end of forward) "
+           "and gradients (end of backward), on 4 budgets")
 
 
 def check_activation_bytes(learner_fn) -> None:

@@ -14,6 +14,11 @@ Learner contracts (the lab's docstrings say the same):
 * ``reduce_scatter_bucket(grads, group=None) -> chunk``: flatten a bucket's
   gradients into one zero-padded buffer, average over ranks with one
   reduce-scatter, return this rank's chunk.
+* ``attach_zero2(model, group=None) -> shards``: register hooks so that, during
+  every backward, each parameter's gradient is reduce-scattered (averaged,
+  padded to a multiple of N) the moment it is ready, this rank's chunk is
+  *added* into ``shards[name]`` (a dict the function returns, filled by the
+  hooks) and the full gradient is dropped (``p.grad = None``).
 """
 
 from __future__ import annotations
@@ -179,3 +184,107 @@ def check_reduce_scatter_bucket(reduce_scatter_bucket) -> None:
             raise CheckFailed(f"rank {rank}: chunk {got.reshape(-1).tolist()} differs from the "
                               f"average {want.tolist()};{hint}")
     passed("bucket reduce-scattered: each rank holds the averaged 1/3 of it, nothing more")
+
+
+def _run_zero2(attach_zero2):
+    import torch.distributed as dist
+
+    from helpers import rank_info
+    from helpers.data import make_dataset
+    from helpers.model import build_model
+
+    r = rank_info()
+    N = r.world_size
+    data = make_dataset(num_sequences=16, seq_len=16)
+    micro = [data.batch(range(4 * m + 2 * r.rank, 4 * m + 2 * r.rank + 2)) for m in range(2)]
+    # reference first (it uses all_reduce, refused below): the averaged gradient
+    # of two micro-batches, and sum |terms| for the rounding bound
+    ref_model = build_model("toy", seed=0)
+    local, local_abs = {}, {}  # sum and sum |.| of the micro-batches' gradients
+    for x, y in micro:
+        ref_model.zero_grad()
+        ref_model(x, y)[1].backward()
+        for n, p in ref_model.named_parameters():
+            g = p.grad.reshape(-1)
+            local[n] = local[n] + g if n in local else g.clone()
+            local_abs[n] = local_abs[n] + g.abs() if n in local_abs else g.abs()
+    ref, ref_abs = {}, {}
+    for n, g in local.items():
+        summed, absum = g.clone(), local_abs[n].clone()
+        dist.all_reduce(summed)
+        dist.all_reduce(absum)
+        pad = -(-g.numel() // N) * N
+        chunk = pad // N
+        full, full_abs = torch.zeros(pad), torch.zeros(pad)
+        full[:g.numel()], full_abs[:g.numel()] = summed / N, absum / N
+        ref[n] = full[r.rank * chunk:(r.rank + 1) * chunk]
+        ref_abs[n] = full_abs[r.rank * chunk:(r.rank + 1) * chunk]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("all_reduce refused: stage 2 reduce-scatters each gradient "
+                           "(an all-reduce sends twice the bytes and leaves the full "
+                           "gradient on every rank)")
+
+    dist.all_reduce = refuse  # in this rank only: a fresh process
+    model = build_model("toy", seed=0)
+    params = dict(model.named_parameters())
+    live = {"now": 0, "peak": 0}
+
+    def meter(p):  # registered first, so it runs before the learner's hook
+        live["now"] = sum(q.grad.numel() * 4 for q in params.values() if q.grad is not None)
+        live["peak"] = max(live["peak"], live["now"])
+
+    for p in params.values():
+        p.register_post_accumulate_grad_hook(meter)
+    shards = attach_zero2(model)
+    if not isinstance(shards, dict):
+        raise TypeError(f"attach_zero2 must return the dict of shards, got "
+                        f"{type(shards).__name__}")
+    for x, y in micro:
+        model(x, y)[1].backward()
+    left = sum(p.grad.numel() * 4 for p in params.values() if p.grad is not None)
+    return {"shards": {n: (t.clone() if torch.is_tensor(t) else t) for n, t in shards.items()},
+            "ref": ref, "ref_abs": ref_abs, "peak": live["peak"], "left": left,
+            "largest": max(p.numel() * 4 for p in params.values()),
+            "all": sum(p.numel() * 4 for p in params.values())}
+
+
+def check_attach_zero2(attach_zero2) -> None:
+    """2 ranks, the toy GPT, two micro-batches (two backwards) per rank."""
+    res = on_ranks(_run_zero2, 2, attach_zero2, what="attach_zero2",
+                   probe=lambda: attach_zero2(torch.nn.Linear(2, 2)))
+    for rank, out in enumerate(res):
+        # memory first: a gradient left in p.grad also adds into the next backward's
+        # gradient, so its shards are wrong too, for this reason
+        if out["left"]:
+            raise CheckFailed(f"rank {rank}: {out['left']:,} bytes of full gradients are still "
+                              f"in p.grad after backward; stage 2 drops each one once it is "
+                              f"reduce-scattered")
+        if out["peak"] > out["largest"]:
+            raise CheckFailed(f"rank {rank}: up to {out['peak']:,} bytes of full gradients were "
+                              f"alive at once during backward (all of them: {out['all']:,}); "
+                              f"drop each gradient in the hook that sends it, so at most one "
+                              f"({out['largest']:,} bytes for the largest) exists at a time")
+        for n, want in out["ref"].items():
+            got = out["shards"].get(n)
+            if not torch.is_tensor(got) or got.shape != want.shape:
+                raise CheckFailed(f"rank {rank}: shards[{n!r}] should be this rank's chunk of "
+                                  f"{want.numel()} elements, got "
+                                  f"{None if not torch.is_tensor(got) else tuple(got.shape)}")
+            # two ranks and two micro-batches: 4 terms added in some order,
+            # the halving exact; Higham's bound on two orders of a 4-term sum
+            if not ((got - want).abs() <= reorder_bound(out["ref_abs"][n], 4)).all():
+                ratio = (got.norm() / want.norm()).item() if want.norm() > 0 else float("nan")
+                hint = (" It is 2x the average: divide by the number of ranks." if
+                        abs(ratio - 2) < 0.01 else
+                        " Only one micro-batch's gradient is there? Add into the shard, "
+                        "do not overwrite it: backward runs once per micro-batch."
+                        if 0.2 < ratio < 0.8 else
+                        " Lay the gradient out flat, zero-pad it to a multiple of N, and "
+                        "keep chunk r.")
+                raise CheckFailed(f"rank {rank}: shards[{n!r}] is not the average over ranks "
+                                  f"of this rank's chunk, summed over both backwards.{hint}")
+    peak = res[0]["peak"]
+    passed(f"stage 2 from hooks: every shard right after two micro-batches; full gradients "
+           f"alive at once peaked at {peak:,} bytes, against {res[0]['all']:,} for all of "
+           f"them ({peak / res[0]['all']:.0%})")

@@ -9,6 +9,12 @@ The harness (``Unit``, ``make_unit``) is given; the learner writes
   it runs: gather before forward, free after forward, gather again when
   backward reaches the module's output. (The check frees after backward.)
 
+* ``post_backward(unit, free) -> grad_shard``: called once every gradient of
+  the unit exists in backward: lay the gradients out as the unit's flat
+  buffer is laid out (zero padding at the end), average over ranks with one
+  reduce-scatter, drop the full gradients (``p.grad = None``), free the unit,
+  and return this rank's averaged chunk.
+
 The check trains the toy GPT on 2 ranks with one unit per block (plus a root
 unit that the check keeps gathered), reduce-scatters the gradients itself,
 and compares with one process; it also watches the storage of every unit.
@@ -184,3 +190,131 @@ def check_attach(gather, free, attach) -> None:
                                   f"steps: are the gathered weights the current ones?")
     passed("each block's weights live only during its forward and backward; training equals "
            "one process")
+
+
+def _ref_gather(unit: Unit) -> None:
+    from helpers.comm import all_gather
+    if not is_gathered(unit):
+        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        all_gather(unit.full, unit.shard, group=unit.group)
+
+
+def _ref_free(unit: Unit) -> None:
+    unit.full.untyped_storage().resize_(0)
+
+
+def _ref_attach(module: nn.Module, unit: Unit) -> None:
+    def post_forward(mod, args, output):
+        _ref_free(unit)
+        if output.requires_grad:
+            output.register_hook(lambda grad: _ref_gather(unit))
+
+    module.register_forward_pre_hook(lambda mod, args: _ref_gather(unit))
+    module.register_forward_hook(post_forward)
+
+
+def _run_post_backward(post_backward, steps):
+    import torch.distributed as dist
+
+    from helpers import rank_info
+    from helpers.data import make_dataset
+    from helpers.model import build_model
+
+    r = rank_info()
+    N, B = r.world_size, 2
+    data = make_dataset(num_sequences=64, seq_len=16)
+    model = build_model("toy", seed=0)
+    units = [make_unit(list(b.parameters()), N, r.rank) for b in model.blocks]
+    for blk, u in zip(model.blocks, units):
+        _ref_attach(blk, u)
+    all_reduce = dist.all_reduce
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("all_reduce refused: FSDP reduce-scatters a unit's gradients "
+                           "(an all-reduce sends twice the bytes and leaves full gradients)")
+
+    shards, calls, problems = {}, [], []
+
+    def on_grad(p, u, i):
+        if all(q.grad is not None for q in u.params):  # the unit's last gradient
+            dist.all_reduce = refuse
+            try:
+                out = post_backward(u, _ref_free)
+            finally:
+                dist.all_reduce = all_reduce
+            calls.append(i)
+            if is_gathered(u):
+                problems.append(f"unit {i} was still gathered after post_backward: free it")
+            if any(q.grad is not None for q in u.params):
+                problems.append(f"unit {i}'s full gradients were still in p.grad after "
+                                f"post_backward: drop them once they are reduce-scattered")
+            shards[i] = out
+
+    for i, u in enumerate(units):
+        for p in u.params:
+            p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: on_grad(p, u, i))
+    blocks = {id(p) for u in units for p in u.params}
+    root = [p for p in model.parameters() if id(p) not in blocks]  # kept replicated
+    for s in range(steps):
+        x, y = data.batch(range(s * B * N, (s + 1) * B * N))
+        model(x[r.rank * B:(r.rank + 1) * B], y[r.rank * B:(r.rank + 1) * B])[1].backward()
+        if problems:
+            return {"problems": problems}
+        with torch.no_grad():
+            for i, u in enumerate(units):
+                g = shards.pop(i, None)
+                if not torch.is_tensor(g) or g.shape != u.shard.shape:
+                    return {"problems": [f"post_backward returned "
+                                         f"{None if not torch.is_tensor(g) else tuple(g.shape)}"
+                                         f" for unit {i}, not its chunk of shape "
+                                         f"{tuple(u.shard.shape)}"]}
+                u.shard -= 0.1 * g  # SGD on the shard
+            for p in root:
+                p.grad /= N
+                dist.all_reduce(p.grad)
+                p -= 0.1 * p.grad
+                p.grad = None
+    for u in units:
+        _ref_gather(u)
+    return {"problems": [], "calls": calls,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def check_post_backward(post_backward) -> None:
+    """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process; your
+    post_backward is called from inside backward, when a unit's last gradient
+    has been accumulated."""
+    from helpers.data import make_dataset
+    from helpers.model import build_model
+
+    res = on_ranks(_run_post_backward, 2, post_backward, 2, what="post_backward",
+                   probe=lambda: post_backward(None, _ref_free), hints=FREED_HINT)
+    data = make_dataset(num_sequences=64, seq_len=16)
+    ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
+    for s in range(2):
+        x, y = data.batch(range(s * 4, (s + 1) * 4))
+        for model in (ref, ref64):  # float64: the exact answer, to ~1e-16
+            model(x, y)[1].backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    want64 = dict(ref64.named_parameters())
+    for rank, out in enumerate(res):
+        if out["problems"]:
+            raise CheckFailed(f"rank {rank}: {out['problems'][0]}")
+        if out["calls"] != [1, 0, 1, 0]:  # backward reaches the last block first
+            raise CheckFailed(f"rank {rank}: post_backward ran for units {out['calls']}, "
+                              f"expected [1, 0, 1, 0] (once per unit per backward)")
+        for n, p in ref.named_parameters():
+            # 2 ranks: the gradient sums differ from one process's only by fp32
+            # rounding, so as close to float64 as the fp32 reference is
+            ok, _, _ = within_fp32_noise(out["weights"][n], p.detach(), want64[n].detach())
+            if not ok:
+                diff = (out["weights"][n] - p.detach()).abs().max().item()
+                raise CheckFailed(f"rank {rank}: {n} differs from one process after 2 SGD steps "
+                                  f"by {diff:.2e}: is the chunk the *average* over ranks, laid "
+                                  f"out in the unit's parameter order with the padding at the "
+                                  f"end?")
+    passed("each unit's gradients reduce-scattered and dropped inside backward, the unit freed; "
+           "training equals one process")

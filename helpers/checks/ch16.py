@@ -1,4 +1,5 @@
-"""Checks for chapter 16: the length of a union of spans, and FSDP prefetch.
+"""Checks for chapter 16: the length of a union of spans, FSDP prefetch, and a
+top-k communication hook with error feedback.
 
 Learner contracts:
 
@@ -8,9 +9,17 @@ Learner contracts:
   unit ``i`` has been gathered (``phase`` "forward" or "backward"; in forward
   i = -1 means the root, just before block 0). Start the all-gather of the
   unit that runs next with ``fsdp.gather_async(fsdp.units[j])``.
+* ``topk_ef_hook(ratio) -> hook``; ``hook(flat_grad, group=None)`` returns a
+  ``torch.futures.Future`` holding the bucket's new value: the mean over
+  ranks of every rank's k = ceil(ratio * numel) largest-magnitude entries of
+  (gradient + the error it kept from earlier calls on that bucket), and it
+  keeps as its error what it did not send. The ranks exchange only their k
+  values and indices (a dense ``all_reduce`` of the bucket is refused).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -126,3 +135,118 @@ def check_prefetch(prefetch) -> None:
                                   f"units in reverse: unit i-1 is next)")
     passed("next unit's gather issued under the current unit's compute, in forward and "
            "backward; same bytes, same weights")
+
+
+TOPK_NUMEL, TOPK_RATIO, TOPK_STEPS = 40, 0.1, 4
+
+
+def _topk_grads(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s gradient at ``step``: the same numbers on every rank, so
+    each rank can compute every rank's message by hand."""
+    return torch.randn(TOPK_NUMEL, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _reference_messages(world: int) -> list[list[torch.Tensor]]:
+    """messages[step][rank]: what each rank sends, by the definition
+    (error feedback: Stich et al. 2018; Lin et al. 2018, sec. 3.1)."""
+    k = math.ceil(TOPK_RATIO * TOPK_NUMEL)
+    errors = [torch.zeros(TOPK_NUMEL) for _ in range(world)]
+    out = []
+    for step in range(TOPK_STEPS):
+        msgs = []
+        for r in range(world):
+            acc = _topk_grads(r, step) + errors[r]
+            idx = acc.abs().topk(k).indices
+            msg = torch.zeros(TOPK_NUMEL)
+            msg[idx] = acc[idx]
+            errors[r] = acc - msg
+            msgs.append(msg)
+        out.append(msgs)
+    return out
+
+
+def _run_topk(make_hook):
+    import torch.distributed as dist
+
+    from helpers import rank_info
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("dense all_reduce refused: top-k sends only its k values and "
+                           "their indices (gather them from every rank)")
+
+    dist.all_reduce = refuse  # this rank only: it is a fresh process
+    r = rank_info()
+    hook = make_hook(TOPK_RATIO)
+    buf = torch.empty(TOPK_NUMEL)  # one bucket buffer, reused every step
+    results = []
+    for step in range(TOPK_STEPS):
+        buf.copy_(_topk_grads(r.rank, step))
+        fut = hook(buf, None)
+        if not isinstance(fut, torch.futures.Future):
+            raise TypeError(f"the hook returned {type(fut).__name__}, not a torch.futures.Future")
+        results.append(fut.wait().clone())
+    return results
+
+
+def check_topk_ef_hook(topk_ef_hook) -> None:
+    """2 ranks, one 40-element bucket, 4 calls, k = 4: every result against the
+    mean of the messages computed by the definition."""
+    try:
+        hook = topk_ef_hook(TOPK_RATIO)
+    except NotImplementedError:
+        raise CheckFailed("topk_ef_hook is not implemented yet") from None
+    if not callable(hook):
+        raise CheckFailed(f"topk_ef_hook(ratio) returned {type(hook).__name__}, not a hook")
+    try:
+        res = launch(_run_topk, 2, topk_ef_hook, timeout=60)
+    except RankTimeout as err:
+        raise CheckFailed(f"the hook: ranks {err.ranks} did not finish (did both ranks "
+                          f"call the same collectives?)") from None
+    except RankError as err:
+        if err.exc_type == "NotImplementedError":
+            raise CheckFailed("topk_ef_hook is not implemented yet") from None
+        raise CheckFailed(f"the hook failed on rank {err.rank}: "
+                          f"{str(err).splitlines()[0]}") from None
+    ref = _reference_messages(2)
+    for step in range(TOPK_STEPS):
+        want = (ref[step][0] + ref[step][1]) / 2
+        no_feedback = None
+        for rank in range(2):
+            got = res[rank][step]
+            # 2 ranks: halving is exact and the sum of two numbers is one
+            # rounding whatever the order, so any correct hook gets these bits;
+            # 1e-6 relative leaves room for another correct order of operations
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=1e-7):
+                if step == 0:
+                    plain = (ref[0][0] + ref[0][1])
+                    why = (" That is the sum: divide by the number of ranks."
+                           if torch.allclose(got, plain, rtol=1e-6, atol=1e-7) else
+                           " Each rank sends the k entries of largest magnitude (values and "
+                           "indices); the result is the mean of the ranks' sparse vectors.")
+                else:
+                    if no_feedback is None:
+                        no_feedback = _no_feedback_mean(step)
+                    why = (" That is top-k without error feedback: add what the bucket did "
+                           "not send last time before choosing the top k, and keep what you "
+                           "do not send now." if torch.allclose(got, no_feedback, rtol=1e-6,
+                                                               atol=1e-7)
+                           else " Check the error you keep: (gradient + old error) minus "
+                                "exactly the entries you sent.")
+                raise CheckFailed(f"rank {rank}, call {step + 1}: the averaged bucket differs "
+                                  f"from the definition.{why}\n  expected (first 6): "
+                                  f"{[round(v, 4) for v in want[:6].tolist()]}\n  got "
+                                  f"(first 6):      {[round(v, 4) for v in got.flatten()[:6].tolist()]}")
+    passed("top-k with error feedback: every call's mean of the ranks' sparse messages, "
+           "errors carried between calls, only values and indices exchanged")
+
+
+def _no_feedback_mean(step: int) -> torch.Tensor:
+    k = math.ceil(TOPK_RATIO * TOPK_NUMEL)
+    msgs = []
+    for r in range(2):
+        g = _topk_grads(r, step)
+        idx = g.abs().topk(k).indices
+        msg = torch.zeros(TOPK_NUMEL)
+        msg[idx] = g[idx]
+        msgs.append(msg)
+    return (msgs[0] + msgs[1]) / 2
