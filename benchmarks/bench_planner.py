@@ -25,7 +25,8 @@ from _args import at_least  # noqa: E402  (benchmarks/ is on sys.path)
 from helpers import planner  # noqa: E402
 from helpers.topology import h100_cluster  # noqa: E402
 
-MODEL = planner.ModelSpec("70B", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8, gated=True)
+MODEL = planner.ModelSpec(name="70B", layers=80, hidden=8192, heads=64, vocab=32000, seq=4096,
+                          ffn=28672, kv_heads=8, gated_mlp=True)
 BUDGET_S = 1.0   # full enumeration for 1024 GPUs
 
 
@@ -40,7 +41,7 @@ def _gpus(text: str) -> list[int]:
     return counts
 
 
-def _cold_plan(gpus: int) -> tuple[float, float, planner.Plan]:
+def _cold_plan(gpus: int) -> tuple[float, float, planner.Ranking]:
     for cached in (planner._affine, planner._state, planner._activations):
         cached.cache_clear()
     wall, cpu = time.perf_counter(), time.process_time()

@@ -10,7 +10,7 @@ Given a model, a global batch, a GPU type and a cluster (chapter 07's
 together with the per-GPU choices: ZeRO stage, recompute mode, micro-batch
 size and pipeline interleaving (model chunks per rank). Each candidate goes
 through the rules in the course's order, and the first rule it breaks is
-recorded as its reason (``Estimate.rule``, ``Estimate.reason``):
+recorded as its reason (``Candidate.rule``, ``Candidate.reason``):
 
     1. TP inside a node         tp <= GPUs per node (ch. 09: four all-reduces
                                 per layer, unhidden, want NVLink)
@@ -42,8 +42,8 @@ chapter's own cost model (``helpers.memory``, ``helpers.topology``'s
 Ranking: by step time, except that layouts within ``tie`` (2 %) of each other
 go to the simpler structure (``Layout.complexity``: no EP before EP, no CP
 before CP, fewer stages, less TP, lower ZeRO stage): an assumed MFU cannot
-resolve a difference of a percent. ``Plan.explain`` walks one layout term by
-term, ``Plan.decide`` names the term in which one layout pays most over
+resolve a difference of a percent. ``Ranking.explain`` walks one layout term by
+term, ``Ranking.decide`` names the term in which one layout pays most over
 another, and ``ladder`` plans rung by rung up the course's order (DP, ZeRO-1/2,
 ZeRO-3, TP in a node, PP across nodes, CP, EP): the first rung with a feasible
 layout is the smallest structure that fits.
@@ -82,12 +82,14 @@ import functools
 import math
 from typing import Iterable
 
+from helpers.frameworks.estimate import hardware_flops_per_step, model_flops_per_step
+from helpers.frameworks.plan import A100_80GB, GPU, H100_80GB, ModelSpec, Plan
 from helpers.memory import GB, RECOMPUTE_MODES, activation_bytes_model, model_state_bytes
 from helpers.pipeline.simulate import bubble_formula
 from helpers.topology.cost import collective_cost, layout
 from helpers.topology.links import Topology
 
-__all__ = ["ModelSpec", "GPU", "Layout", "Estimate", "Plan", "plan", "evaluate",
+__all__ = ["ModelSpec", "GPU", "Layout", "Candidate", "Ranking", "plan", "evaluate",
            "flops_per_token", "structures", "H100_80GB", "A100_80GB", "TERMS", "MEMORY_TERMS",
            "CHAPTER", "rungs", "ladder"]
 
@@ -103,104 +105,6 @@ BF16 = 2  # bytes of an activation, weight or gradient on the wire
 # ---------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer: what the planner needs to know about it.
-
-    ``ffn``: MLP width (default 4 h). ``gated``: a SwiGLU MLP (three matrices,
-    Llama) instead of a GeLU one (two, GPT). ``kv_heads``: grouped-query
-    attention (default: as many as ``heads``). ``experts`` > 0 makes every MLP
-    a mixture of ``experts`` experts, each token routed to ``top_k``.
-    """
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    seq: int
-    ffn: int | None = None
-    kv_heads: int | None = None
-    gated: bool = False
-    experts: int = 0
-    top_k: int = 1
-    tied: bool = False   # one vocab x hidden matrix for input and output (GPT-2/3, Megatron's GPT)
-
-    def __post_init__(self):
-        for f in ("layers", "hidden", "heads", "vocab", "seq"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"model {self.name!r}: {f} must be a positive int, got {v!r}")
-        for f in ("ffn", "kv_heads"):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"model {self.name!r}: {f} must be None or a positive int, "
-                                 f"got {v!r}")
-        if self.hidden % self.heads:
-            raise ValueError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
-                             f"heads={self.heads}")
-        if self.heads % self.n_kv_heads:
-            raise ValueError(f"model {self.name!r}: {self.heads} query heads do not group over "
-                             f"{self.n_kv_heads} key/value heads")
-        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
-            raise ValueError(f"model {self.name!r}: need experts >= 0 and 1 <= top_k <= experts, "
-                             f"got experts={self.experts}, top_k={self.top_k}")
-
-    @property
-    def ffn_width(self) -> int:
-        return self.ffn or 4 * self.hidden
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.kv_heads or self.heads
-
-    @property
-    def attention_params(self) -> int:
-        """Q and output projections h x h each; K and V h x (h kv_heads / heads) each."""
-        h = self.hidden
-        return 2 * h * h + 2 * h * (h * self.n_kv_heads // self.heads)
-
-    @property
-    def mlp_params(self) -> int:
-        """One MLP (one expert): 2 or 3 matrices of h x ffn."""
-        return (3 if self.gated else 2) * self.hidden * self.ffn_width
-
-    @functools.cached_property
-    def expert_params(self) -> int:
-        """All experts of all layers (0 for a dense model)."""
-        return self.layers * self.experts * self.mlp_params
-
-    @functools.cached_property   # writes the instance __dict__, so a frozen dataclass allows it
-    def dense_params(self) -> int:
-        """Everything that is not an expert: attention, dense MLPs, the input and
-        output embeddings (one matrix if ``tied``). Biases, norms and learned
-        positions (~0.01 % at these sizes) are left out."""
-        mlp = 0 if self.experts else self.mlp_params
-        return (self.layers * (self.attention_params + mlp)
-                + (1 if self.tied else 2) * self.vocab * self.hidden)
-
-    @property
-    def n_params(self) -> int:
-        return self.dense_params + self.expert_params
-
-    @functools.cached_property
-    def active_params(self) -> int:
-        """Parameters one token passes through (top_k experts per MoE layer)."""
-        return self.dense_params + self.layers * self.top_k * self.mlp_params * bool(self.experts)
-
-
-@dataclasses.dataclass(frozen=True)
-class GPU:
-    name: str
-    memory: float        # bytes (decimal: 80e9 for an "80 GB" part)
-    peak_flops: float    # dense BF16 Tensor Core FLOP/s
-
-
-# NVIDIA H100 SXM and A100 SXM datasheets: 80 GB HBM; dense BF16 989 and 312 TFLOP/s.
-H100_80GB = GPU("H100 SXM 80GB", 80e9, 989e12)
-A100_80GB = GPU("A100 SXM 80GB", 80e9, 312e12)
-
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Layout:
@@ -245,6 +149,32 @@ class Layout:
         return (" x ".join(parts)
                 + f" | ZeRO-{self.zero}, {self.recompute}, mb {self.micro_batch}{v}")
 
+    def to_plan(self, global_batch: int, **choices) -> Plan:
+        """Chapter 19's ``Plan`` for this layout at ``global_batch`` sequences: the
+        degrees, ZeRO stage, recompute and micro-batch carried over, gradient
+        accumulation the micro-batches per replica, and sequence parallelism
+        whenever there is TP, gradient reduction overlapped with the backward and
+        (ZeRO-3) weight gathers prefetched, as the planner assumes. ``choices``:
+        other ``Plan`` fields (precision, fp32 gradients, overlap flags); by
+        default the planner's bf16 mixed-precision Adam."""
+        if global_batch % (self.dp * self.micro_batch):
+            raise ValueError(f"global batch {global_batch} is not a multiple of dp x micro-batch "
+                             f"= {self.dp} x {self.micro_batch}")
+        return Plan(**{"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.interleave,
+                       "cp": self.cp, "ep": self.ep, "zero_stage": self.zero,
+                       "recompute": self.recompute, "sequence_parallel": self.tp > 1,
+                       "micro_batch": self.micro_batch, "overlap_grad_reduce": True,
+                       "overlap_param_gather": self.zero == 3,
+                       "grad_accum": global_batch // (self.dp * self.micro_batch),
+                       "global_batch": global_batch, "source": f"planner: {self.short()}",
+                       **choices})
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> "Layout":
+        """The layout of a chapter-19 ``Plan`` (its other knobs are not the planner's)."""
+        return cls(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep, plan.zero_stage, plan.recompute,
+                   plan.micro_batch, plan.vpp)
+
     def complexity(self) -> tuple:
         """Smaller is simpler, in the course's order of escalation read backwards: a
         layout without EP beats one with it, then without CP, then fewer pipeline
@@ -255,7 +185,11 @@ class Layout:
 
 
 @dataclasses.dataclass
-class Estimate:
+class Candidate:
+    """One layout as the planner judged it: the rule it broke (``rule``, ``reason``)
+    or its memory and step-time terms. (Chapter 19's ``estimate`` gives the same
+    layout's terms with each framework knob: ``layout.to_plan(global_batch)``.)"""
+
     layout: Layout
     reason: str = ""                                   # empty when feasible
     rule: str = ""                                     # short name of the broken rule
@@ -284,20 +218,21 @@ def flops_per_token(model: ModelSpec) -> float:
     Narayanan et al. 2021, eq. 3 divided by B s tokens, with 3/4 of their 96
     (they include a full recompute's extra forward); ``tp_layer_compute_time``
     (ch. 09) is the same count per layer. The input embedding is a lookup, not a
-    matmul: an untied model's input matrix is not counted.
+    matmul: an untied model's input matrix is not counted. It is three forward
+    passes of ``ModelSpec.forward_flops_per_token``, the count chapter 19's
+    ``estimate`` uses.
     """
-    matmul_params = model.active_params - (0 if model.tied else model.vocab * model.hidden)
-    return 6 * matmul_params + 12 * model.layers * model.hidden * model.seq
+    return 3 * model.forward_flops_per_token()
 
 
 def _recompute_factor(model: ModelSpec, recompute: str) -> float:
-    """Executed FLOPs / model FLOPs. Full recompute runs one more forward (4 passes
-    instead of 3, Narayanan eq. 3's 96 vs 72); selective recomputes only the
-    attention core's forward, 4 l h s of the 12 l h s (Korthikanti et al. 2022, sec. 5)."""
-    f = flops_per_token(model)
-    attn_fwd = 4 * model.layers * model.hidden * model.seq
-    extra = {"none": 0.0, "selective": attn_fwd, "full": f / 3}[recompute]
-    return (f + extra) / f
+    """Executed FLOPs / model FLOPs (chapter 19's ``hardware_flops_per_step``). Full
+    recompute runs each layer's forward once more (4 passes instead of 3; the output
+    layer is not recomputed: Narayanan et al. 2021 eq. 3, whose V/16lh term is 3
+    passes of 2 h V); selective recomputes only the attention core's forward,
+    4 l h s of the 12 l h s (Korthikanti et al. 2022, sec. 5)."""
+    return (hardware_flops_per_step(model, 1, recompute)
+            / model_flops_per_step(model, 1))
 
 
 # ---------------------------------------------------------------------------
@@ -314,8 +249,8 @@ def _structure_rule(model: ModelSpec, dp: int, tp: int, pp: int, cp: int, ep: in
                                    f"TP's all-reduces need the node's link)")
     if model.heads % tp:
         return "heads", f"{model.heads} heads do not divide over tensor-parallel size {tp}"
-    if model.n_kv_heads % tp:
-        return "kv-heads", (f"{model.n_kv_heads} key/value heads do not divide over "
+    if model.kv_heads_ % tp:
+        return "kv-heads", (f"{model.kv_heads_} key/value heads do not divide over "
                             f"tensor-parallel size {tp}")
     if model.layers % pp and (model.layers + 2) % pp:
         return "layers", (f"{model.layers} layers do not split over {pp} pipeline stages "
@@ -375,10 +310,10 @@ def _memory(model: ModelSpec, lay: Layout) -> tuple:
 def _state(model: ModelSpec, model_parallel: int, dp: int, zero: int, ep: int) -> tuple:
     """Model state per GPU, bf16 mixed-precision Adam (16 bytes per parameter, ch. 06)
     as ``training_memory`` counts it: split over tp x pp, then ZeRO over dp."""
-    s = model_state_bytes(model.dense_params / model_parallel, dp=dp, zero_stage=zero)
+    s = model_state_bytes(model.dense_params() / model_parallel, dp=dp, zero_stage=zero)
     w, g, o = s.params, s.grads, s.optimizer
     if model.experts:
-        e = model_state_bytes(model.expert_params / (model_parallel * ep), dp=dp // ep,
+        e = model_state_bytes(model.expert_params() / (model_parallel * ep), dp=dp // ep,
                               zero_stage=zero)
         w, g, o = w + e.params, g + e.grads, o + e.optimizer
     return w, g, o
@@ -457,14 +392,16 @@ def _time(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topo
     # Narayanan et al. 2021 sec. 4.1's scatter/gather), between GPUs tp*cp*dp apart.
     p2p = 0.0
     if lay.pp > 1:
+        # the pipeline is as slow as its slowest hop: across nodes unless all pp
+        # stages of GPU 0's pipeline share its node (as chapter 19's ``estimate``)
         stride = lay.tp * lay.cp * lay.dp
-        link = topo.intra if stride < topo.gpus_per_node else topo.inter
+        link = topo.intra if stride * lay.pp <= topo.gpus_per_node else topo.inter
         p2p = 2 * m * lay.interleave * link.time(tokens_mb * h * BF16 / lay.tp)  # v chunks: v hops
     # CP (Dubey et al. 2024, sec. 3.3.2): all-gather K and V (kv heads / tp of them) per
     # layer forward, again in backward, and reduce-scatter their gradients; not overlapped.
     cp = 0.0
     if lay.cp > 1:
-        kv = 2 * lay.micro_batch * model.seq * h * model.n_kv_heads // model.heads * BF16 / lay.tp
+        kv = 2 * lay.micro_batch * model.seq * h * model.kv_heads_ // model.heads * BF16 / lay.tp
         per = 2 * _coll(topo, "all_gather", kv, lay.cp, lay.tp) \
             + _coll(topo, "reduce_scatter", kv, lay.cp, lay.tp)
         cp = per * (L // lay.pp) * m
@@ -493,10 +430,10 @@ def _dp_exposed(model: ModelSpec, lay: Layout, topo: Topology, t_microbatch: flo
     behind that micro-batch's compute by prefetch (ch. 16).
     """
     group, stride = lay.dp * lay.cp, lay.tp
-    dense = model.dense_params / (lay.tp * lay.pp) * BF16
+    dense = model.dense_params() / (lay.tp * lay.pp) * BF16
     groups = [(dense, group, stride)]
     if model.experts:
-        groups.append((model.expert_params / (lay.tp * lay.pp * lay.ep) * BF16,
+        groups.append((model.expert_params() / (lay.tp * lay.pp * lay.ep) * BF16,
                        group // lay.ep, stride * lay.ep))
     if group == 1 and len(groups) == 1:
         return 0.0
@@ -515,26 +452,26 @@ def _dp_exposed(model: ModelSpec, lay: Layout, topo: Topology, t_microbatch: flo
 
 
 def evaluate(model: ModelSpec, layout: Layout, global_batch: int, gpu: GPU, topology: Topology,
-             *, mfu: float = 0.5, memory_fraction: float = 0.9) -> Estimate:
+             *, mfu: float = 0.5, memory_fraction: float = 0.9) -> Candidate:
     """Check one layout and estimate it: the reason it is rejected, or its memory
     and step-time terms. ``memory_fraction``: the share of GPU memory the model may
     use (the rest: CUDA context, communication buffers, fragmentation; ch. 06)."""
     if layout.world != topology.world_size:
-        return Estimate(layout, f"dp x tp x pp x cp = {layout.world} is not the "
+        return Candidate(layout, f"dp x tp x pp x cp = {layout.world} is not the "
                                 f"{topology.world_size} GPUs of the cluster", "world")
     rule, reason = _structure_rule(model, *layout.structure, global_batch, topology)
     if not rule:
         rule, reason = _variant_rule(model, layout, global_batch)
     if rule:
-        return Estimate(layout, reason, rule)
+        return Candidate(layout, reason, rule)
     mem = dict(zip(MEMORY_TERMS, _memory(model, layout)))
     budget = memory_fraction * gpu.memory
     if sum(mem.values()) > budget:
         big = max(mem, key=mem.get)
-        return Estimate(layout, f"memory {sum(mem.values()) / GB:.1f} GB > {budget / GB:.1f} GB "
+        return Candidate(layout, f"memory {sum(mem.values()) / GB:.1f} GB > {budget / GB:.1f} GB "
                                 f"usable; largest term: {big} {mem[big] / GB:.1f} GB",
                         "memory", mem)
-    est = Estimate(layout, "", "", mem, _time(model, layout, global_batch, gpu, topology, mfu))
+    est = Candidate(layout, "", "", mem, _time(model, layout, global_batch, gpu, topology, mfu))
     model_flops = flops_per_token(model) * global_batch * model.seq / layout.world
     est.mfu = model_flops / (est.step_time * gpu.peak_flops)
     return est
@@ -571,25 +508,27 @@ def structures(model: ModelSpec, topology: Topology, *, tp_sizes: Iterable[int] 
 
 
 @dataclasses.dataclass
-class Plan:
-    """The planner's answer: ``ranked`` (feasible, fastest first) and ``rejected``."""
+class Ranking:
+    """The planner's answer, a ranking of candidate layouts: ``ranked`` (feasible,
+    fastest first) and ``rejected`` (each with the rule it broke). Not chapter 19's
+    ``Plan``: that is one job's configuration, which ``Layout.to_plan`` builds."""
 
     model: ModelSpec
     global_batch: int
     gpu: GPU
     topology: Topology
     mfu: float
-    ranked: list[Estimate]
-    rejected: list[Estimate]
+    ranked: list[Candidate]
+    rejected: list[Candidate]
 
     @property
-    def best(self) -> Estimate:
+    def best(self) -> Candidate:
         if not self.ranked:
             raise ValueError(f"no layout of {self.model.name} fits {self.topology.world_size} x "
                              f"{self.gpu.name}; most common reasons: {self.reasons(3)}")
         return self.ranked[0]
 
-    def structures(self) -> list[Estimate]:
+    def structures(self) -> list[Candidate]:
         """The best estimate of each (dp, tp, pp, cp, ep), fastest first."""
         seen, out = set(), []
         for e in self.ranked:
@@ -598,7 +537,7 @@ class Plan:
                 out.append(e)
         return out
 
-    def find(self, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Estimate:
+    def find(self, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> Candidate:
         """The best feasible variant of a structure; if there is none, the rejected
         variant that got furthest (its reason says what stopped it)."""
         key = (dp, tp, pp, cp, ep)
@@ -625,7 +564,7 @@ class Plan:
             counts[e.rule] = counts.get(e.rule, 0) + 1
         return sorted(counts.items(), key=lambda kv: -kv[1])[:k]
 
-    def decide(self, a: Estimate, b: Estimate) -> tuple[str, float]:
+    def decide(self, a: Candidate, b: Candidate) -> tuple[str, float]:
         """(term, seconds): the term in which b pays most over a (the largest
         b - a): what makes b slower than a. The other terms' differences may
         partly offset it; all of them sum to b.step_time - a.step_time."""
@@ -633,7 +572,7 @@ class Plan:
         term = max(diffs, key=diffs.get)
         return term, diffs[term]
 
-    def explain(self, est: Estimate | None = None) -> str:
+    def explain(self, est: Candidate | None = None) -> str:
         """One estimate, term by term, with the chapter that teaches each term."""
         e = est or self.best
         lines = [f"{self.model.name} on {self.topology.world_size} x {self.gpu.name}, global batch "
@@ -666,7 +605,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
          zero_stages: Iterable[int] = (0, 1, 2, 3), recomputes: Iterable[str] = RECOMPUTE_MODES,
          micro_batches: Iterable[int] = (1, 2, 4, 8), interleaves: Iterable[int] = (1, 2, 4, 8),
          tp_sizes: Iterable[int] | None = None, pp_sizes: Iterable[int] | None = None,
-         cp_sizes: Iterable[int] | None = None, ep_sizes: Iterable[int] | None = None) -> Plan:
+         cp_sizes: Iterable[int] | None = None, ep_sizes: Iterable[int] | None = None) -> Ranking:
     """Enumerate, check, estimate and rank every layout.
 
     ``global_batch`` in sequences of ``model.seq`` tokens. ``mfu``: the share of
@@ -701,7 +640,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
                          cp_sizes=cp_sizes, ep_sizes=ep_sizes):
         rule, reason = _structure_rule(model, *st, global_batch, topology)
         if rule:
-            rejected.append(Estimate(Layout(*st, zero_stages[0], recomputes[0], micro_batches[0]),
+            rejected.append(Candidate(Layout(*st, zero_stages[0], recomputes[0], micro_batches[0]),
                                      reason, rule))
             continue
         # interleaving only means something with a pipeline whose stages it divides
@@ -723,7 +662,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
                                        e.layout.complexity(), e.step_time))
         else:
             ranked.sort(key=lambda e: (e.step_time, e.layout.complexity()))
-    return Plan(model, global_batch, gpu, topology, mfu, ranked, rejected)
+    return Ranking(model, global_batch, gpu, topology, mfu, ranked, rejected)
 
 
 # ---------------------------------------------------------------------------
@@ -750,7 +689,7 @@ def rungs(model: ModelSpec, topology: Topology) -> list[tuple[str, dict]]:
 
 
 def ladder(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology,
-           **kwargs) -> list[tuple[str, Plan]]:
+           **kwargs) -> list[tuple[str, Ranking]]:
     """Climb ``rungs`` in order and plan on each; the first rung whose plan has a
     feasible layout is the smallest structure that fits. The rungs after it show
     what more structure buys (or costs)."""

@@ -35,16 +35,20 @@ NARAYANAN = [
 
 
 def gpt(params_b, heads, hidden, layers):
-    return ModelSpec(f"GPT {params_b}B", layers, hidden, heads, 51200, 2048, tied=True)
+    return ModelSpec(name=f"GPT {params_b}B", layers=layers, hidden=hidden, heads=heads,
+                     vocab=51200, seq=2048, tied_embeddings=True)
 
 
 def llama405(seq):
-    return ModelSpec("Llama 3 405B", 126, 16384, 128, 128000, seq, ffn=53248, kv_heads=8,
-                     gated=True)
+    return ModelSpec(name="Llama 3 405B", layers=126, hidden=16384, heads=128, vocab=128000,
+                     seq=seq, ffn=53248, kv_heads=8,
+                     gated_mlp=True)
 
 
-LLAMA_7B = ModelSpec("7B", 32, 4096, 32, 32000, 4096, ffn=11008, gated=True)
-LLAMA_70B = ModelSpec("70B", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8, gated=True)
+LLAMA_7B = ModelSpec(name="7B", layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, ffn=11008,
+                     gated_mlp=True)
+LLAMA_70B = ModelSpec(name="70B", layers=80, hidden=8192, heads=64, vocab=32000, seq=4096,
+                      ffn=28672, kv_heads=8, gated_mlp=True)
 
 
 # --- the model's inputs and terms against the chapters' own formulas ----------------------
@@ -54,13 +58,13 @@ def test_parameter_count_matches_table_1(row):
     # Table 1's counts include biases, norms and learned positions (~13 l h + s h),
     # which ModelSpec leaves out: ours is smaller by less than 0.1 %.
     params_b, heads, hidden, layers = row[:4]
-    n = gpt(params_b, heads, hidden, layers).n_params
+    n = gpt(params_b, heads, hidden, layers).total_params()
     assert n < params_b * 1e9 and n == pytest.approx(params_b * 1e9, rel=1e-3)
 
 
 def test_llama3_405b_parameter_count():
     # Dubey et al. 2024 call it 405B; GQA and SwiGLU counted, untied embeddings
-    assert llama405(8192).n_params == pytest.approx(405e9, rel=0.005)
+    assert llama405(8192).total_params() == pytest.approx(405e9, rel=0.005)
 
 
 def test_flops_per_token_is_chapter_09s_count_plus_the_output_layer():
@@ -82,7 +86,7 @@ def test_memory_terms_are_training_memory(lay):
     # arithmetic, so exact equality
     m = LLAMA_70B
     e = evaluate(m, lay, 1024, H100_80GB, h100_cluster(32), memory_fraction=1e9)
-    want = training_memory(m.dense_params, seq=m.seq, micro_batch=lay.micro_batch,
+    want = training_memory(m.dense_params(), seq=m.seq, micro_batch=lay.micro_batch,
                            hidden=m.hidden, heads=m.heads, layers=m.layers, vocab=m.vocab,
                            zero_stage=lay.zero, dp=lay.dp, tp=lay.tp, pp=lay.pp,
                            sequence_parallel=lay.tp > 1, recompute=lay.recompute)
@@ -160,7 +164,7 @@ def test_tp_across_nodes_is_rejected():
 
 
 def test_shape_and_batch_rules():
-    m = ModelSpec("odd", 29, 4000, 20, 32000, 2048)
+    m = ModelSpec(name="odd", layers=29, hidden=4000, heads=20, vocab=32000, seq=2048)
     e = reject(m, Layout(8, 8, 1))
     assert e.rule == "heads" and "20 heads do not divide over tensor-parallel size 8" in e.reason
     assert reject(m, Layout(16, 1, 4)).rule == "layers"   # neither 29 nor 29 + 2 splits over 4
@@ -180,13 +184,14 @@ def test_memory_rejection_names_the_largest_term():
     e = reject(LLAMA_70B, Layout(8, 8, 1, zero=0, recompute="full"), topo=h100_cluster(8))
     assert e.rule == "memory" and "largest term: optimizer" in e.reason
     # 7B at 32k tokens, no recompute, ZeRO-3 over 8: activations dominate
-    long7 = ModelSpec("7B-32k", 32, 4096, 32, 32000, 32768)
+    long7 = ModelSpec(name="7B-32k", layers=32, hidden=4096, heads=32, vocab=32000, seq=32768)
     e = reject(long7, Layout(8, 1, 1, zero=3, recompute="none"), topo=h100_cluster(1))
     assert e.rule == "memory" and "largest term: activations" in e.reason
 
 
 def test_moe_experts_split_over_ep():
-    moe = ModelSpec("MoE", 16, 2048, 16, 32000, 2048, experts=8, top_k=2)
+    moe = ModelSpec(name="MoE", layers=16, hidden=2048, heads=16, vocab=32000, seq=2048, experts=8,
+                    top_k=2)
     topo = h100_cluster(2)
     one = evaluate(moe, Layout(16, 1, 1, ep=1, zero=1), 256, H100_80GB, topo)
     four = evaluate(moe, Layout(16, 1, 1, ep=4, zero=1), 256, H100_80GB, topo)
@@ -296,11 +301,11 @@ def test_ladder_climbs_the_courses_order():
 
 def test_spec_and_layout_refuse_bad_values():
     with pytest.raises(ValueError, match="heads=7"):
-        ModelSpec("m", 4, 64, 7, 100, 16)
+        ModelSpec(name="m", layers=4, hidden=64, heads=7, vocab=100, seq=16)
     with pytest.raises(ValueError, match="8 query heads do not group over 3"):
-        ModelSpec("m", 4, 64, 8, 100, 16, kv_heads=3)
+        ModelSpec(name="m", layers=4, hidden=64, heads=8, vocab=100, seq=16, kv_heads=3)
     with pytest.raises(ValueError, match="top_k"):
-        ModelSpec("m", 4, 64, 8, 100, 16, experts=4, top_k=5)
+        ModelSpec(name="m", layers=4, hidden=64, heads=8, vocab=100, seq=16, experts=4, top_k=5)
     with pytest.raises(ValueError, match="Layout.tp must be a positive int"):
         Layout(8, 0, 1)
     with pytest.raises(ValueError, match="ZeRO stage"):
@@ -311,7 +316,8 @@ def test_spec_and_layout_refuse_bad_values():
 
 def test_untied_input_embedding_is_not_counted_as_flops():
     # the lookup costs no matmul: an untied model's FLOPs equal the tied one's
-    tied = ModelSpec("t", 4, 64, 8, 1000, 16, tied=True)
-    untied = ModelSpec("u", 4, 64, 8, 1000, 16)
-    assert untied.n_params == tied.n_params + 1000 * 64
+    tied = ModelSpec(name="t", layers=4, hidden=64, heads=8, vocab=1000, seq=16,
+                     tied_embeddings=True)
+    untied = ModelSpec(name="u", layers=4, hidden=64, heads=8, vocab=1000, seq=16)
+    assert untied.total_params() == tied.total_params() + 1000 * 64
     assert flops_per_token(untied) == flops_per_token(tied)

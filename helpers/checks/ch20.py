@@ -41,9 +41,11 @@ LAYOUT_CASES = [("70B", 1024, 8), ("70B", 1024, 32), ("7B", 512, 1)]
 
 def _models():
     from helpers.planner import ModelSpec
-    return {"7B": ModelSpec("7B", 32, 4096, 32, 32000, 4096, ffn=11008, gated=True),
-            "70B": ModelSpec("70B", 80, 8192, 64, 32000, 4096, ffn=28672, kv_heads=8,
-                             gated=True)}
+    return {"7B": ModelSpec(name="7B", layers=32, hidden=4096, heads=32, vocab=32000, seq=4096,
+                            ffn=11008, gated_mlp=True),
+            "70B": ModelSpec(name="70B", layers=80, hidden=8192, heads=64, vocab=32000, seq=4096,
+                             ffn=28672, kv_heads=8,
+                             gated_mlp=True)}
 
 
 def check_choose_layout(choose_layout, slack: float = 0.10) -> None:

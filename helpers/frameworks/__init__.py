@@ -9,8 +9,10 @@ decisions down once, as a ``Plan``, and reuses the course's models to say
 what a plan costs.
 
 * ``plan``: ``Plan`` (validated: ``Plan.validate(world_size, model)`` names the
-  rule a plan breaks), ``ModelSpec`` (a transformer's shape), ``Cluster`` (a
-  chapter-07 ``Topology`` + GPU memory and peak FLOP/s).
+  rule a plan breaks), ``ModelSpec`` (a transformer's shape), ``GPU`` (memory
+  and peak FLOP/s), ``Cluster`` (a chapter-07 ``Topology`` of one ``GPU`` type).
+  Chapter 20's planner uses the same ``ModelSpec`` and ``GPU``, and its
+  ``Layout.to_plan`` turns a layout it ranks into a ``Plan``.
 * ``readers``: ``from_deepspeed``, ``from_megatron``, ``from_torchtitan``;
   every knob maps to a ``Plan`` field and the chapter that teaches it
   (``KNOBS``), or is kept in ``Plan.unmapped`` with the reason.
@@ -29,12 +31,12 @@ with ``estimate``; the mechanisms themselves ran in chapters 02-21.
 import os
 
 from helpers.frameworks.estimate import Estimate, Term, estimate
-from helpers.frameworks.plan import Cluster, ModelSpec, Plan
+from helpers.frameworks.plan import A100_80GB, GPU, H100_80GB, Cluster, ModelSpec, Plan
 from helpers.frameworks.readers import (CHAPTERS, KNOBS, from_deepspeed, from_megatron,
                                         from_torchtitan, knob_table, megatron_model)
 
-__all__ = ["Plan", "ModelSpec", "Cluster", "Estimate", "Term", "estimate", "from_deepspeed",
-           "from_megatron", "from_torchtitan", "megatron_model", "KNOBS", "CHAPTERS",
+__all__ = ["Plan", "ModelSpec", "GPU", "H100_80GB", "A100_80GB", "Cluster", "Estimate", "Term",
+           "estimate", "from_deepspeed", "from_megatron", "from_torchtitan", "megatron_model", "KNOBS", "CHAPTERS",
            "knob_table", "CONFIG_DIR", "config_path"]
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")

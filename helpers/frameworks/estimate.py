@@ -213,8 +213,8 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
     w_b, g_b, o_b = bytes_per_param(p)
 
     # -- memory ------------------------------------------------------------
-    experts = m.expert_params() if m.n_params is None else 0.0
-    dense = m.total_params() - experts
+    dense = m.dense_params()
+    experts = m.total_params() - dense
     owned_dense = dense / (p.tp * p.pp)
     owned_expert = experts / (p.tp * p.pp * p.ep)
     states = model_state_bytes(owned_dense, dp=p.shard_ranks, zero_stage=p.zero_stage,

@@ -40,7 +40,8 @@ from typing import Optional
 
 from helpers.topology import Topology, a100_cluster, h100_cluster
 
-__all__ = ["Plan", "ModelSpec", "Cluster", "PRECISIONS", "OFFLOADS", "RECOMPUTE"]
+__all__ = ["Plan", "ModelSpec", "GPU", "Cluster", "H100_80GB", "A100_80GB", "PRECISIONS",
+           "OFFLOADS", "RECOMPUTE"]
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -56,13 +57,19 @@ def _count(name: str, value, minimum: int = 1) -> None:
 class ModelSpec:
     """A decoder-only transformer's shape: what the memory and FLOP formulas need.
 
+    One description for chapters 19 and 20: ``estimate`` (chapter 19) and the
+    layout planner (``helpers.planner``, chapter 20) both read it, so both
+    count the same parameters and the same FLOPs.
+
     ``ffn``: MLP width (default 4 * hidden, GPT); ``gated_mlp``: three MLP
     matrices (SwiGLU, Llama) instead of two. ``kv_heads``: grouped-query
-    attention's key/value heads (default ``heads``). ``experts`` > 0 makes
-    every layer's MLP a mixture of ``experts`` experts, ``top_k`` of which
-    each token visits (chapter 21). ``n_params``: the nominal count to use
-    instead of the one computed from the shape (then treated as dense: no
-    expert split, since the count does not say which part is experts).
+    attention's key/value heads (default ``heads``). ``tied_embeddings``: one
+    vocab x hidden matrix for input and output (GPT-2/3, Megatron's GPT).
+    ``experts`` > 0 makes every layer's MLP a mixture of ``experts`` experts,
+    ``top_k`` of which each token visits (chapter 21). ``n_params``: the
+    nominal count to use instead of the one computed from the shape (then
+    treated as dense: no expert split, since the count does not say which part
+    is experts).
     """
 
     layers: int
@@ -83,6 +90,9 @@ class ModelSpec:
         for f in ("layers", "hidden", "heads", "vocab", "seq", "top_k"):
             _count(f"ModelSpec.{f}", getattr(self, f))
         _count("ModelSpec.experts", self.experts, 0)
+        for f in ("ffn", "kv_heads"):
+            if getattr(self, f) is not None:
+                _count(f"ModelSpec.{f}", getattr(self, f))
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads_:
@@ -124,6 +134,12 @@ class ModelSpec:
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return float(self.layers * self.layer_params() + embed + self.hidden)
 
+    def dense_params(self) -> float:
+        """Weights that every data-parallel replica holds in full (all but the
+        experts): what tensor and pipeline parallelism split and ZeRO shards."""
+        experts = self.expert_params() if self.n_params is None else 0.0
+        return self.total_params() - experts
+
     def forward_flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward pass (Narayanan et al. 2021, sec. 5.1):
         2 per weight a token meets (only top_k experts of an MoE layer), plus the
@@ -134,6 +150,26 @@ class ModelSpec:
         active_mlp = self.mlp_params() * (self.top_k if self.experts else 1)
         per_layer = 2 * (self.attention_params() + active_mlp) + 4 * s * h
         return self.layers * per_layer + 2 * h * self.vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """One accelerator: its memory in bytes (decimal: 80e9 for an "80 GB" part) and
+    its dense 16-bit Tensor Core peak FLOP/s. ``Cluster`` puts many of them on a
+    chapter-07 ``Topology``; the planner (chapter 20) takes one directly."""
+
+    name: str
+    memory: float
+    peak_flops: float
+
+    def __post_init__(self):
+        if not self.memory > 0 or not self.peak_flops > 0:
+            raise ValueError(f"GPU {self.name!r}: memory and peak_flops must be positive")
+
+
+# NVIDIA H100 SXM and A100 SXM datasheets: 80 GB HBM; dense BF16 989 and 312 TFLOP/s.
+H100_80GB = GPU("H100 SXM 80GB", 80e9, 989e12)
+A100_80GB = GPU("A100 SXM 80GB", 80e9, 312e12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +188,7 @@ class Cluster:
     peak_flops: float
     matmul_efficiency: float = 0.5
     name: str = ""
+    gpu_name: str = ""
 
     def __post_init__(self):
         if not isinstance(self.topology, Topology):
@@ -167,15 +204,27 @@ class Cluster:
     def world_size(self) -> int:
         return self.topology.world_size
 
+    @property
+    def gpu(self) -> GPU:
+        """The cluster's GPU type (what the planner takes)."""
+        return GPU(self.gpu_name or self.name, self.gpu_memory, self.peak_flops)
+
+    @classmethod
+    def of(cls, gpu: GPU, topology: Topology, matmul_efficiency: float = 0.5,
+           name: str = "") -> "Cluster":
+        """``topology.world_size`` GPUs of type ``gpu``."""
+        return cls(topology, gpu.memory, gpu.peak_flops, matmul_efficiency,
+                   name or f"{topology.world_size} x {gpu.name}", gpu.name)
+
     @classmethod
     def h100(cls, nodes: int, **kw) -> "Cluster":
-        """DGX H100 nodes: 80 GB, 989 TFLOP/s dense BF16 (NVIDIA H100 SXM datasheet)."""
-        return cls(h100_cluster(nodes), 80e9, 989e12, name=f"{nodes} x 8 H100 80GB", **kw)
+        """DGX H100 nodes: ``H100_80GB`` on chapter 07's ``h100_cluster``."""
+        return cls.of(H100_80GB, h100_cluster(nodes), name=f"{nodes} x 8 H100 80GB", **kw)
 
     @classmethod
     def a100(cls, nodes: int, **kw) -> "Cluster":
-        """DGX A100 nodes: 80 GB, 312 TFLOP/s dense BF16/FP16 (NVIDIA A100 datasheet)."""
-        return cls(a100_cluster(nodes), 80e9, 312e12, name=f"{nodes} x 8 A100 80GB", **kw)
+        """DGX A100 nodes: ``A100_80GB`` on chapter 07's ``a100_cluster``."""
+        return cls.of(A100_80GB, a100_cluster(nodes), name=f"{nodes} x 8 A100 80GB", **kw)
 
 
 @dataclasses.dataclass(frozen=True)
