@@ -36,7 +36,7 @@ from helpers.model import build_model
 
 __all__ = ["resumable_run", "OPTIMIZERS"]
 
-OPTIMIZERS = ("ddp", "zero2")
+OPTIMIZERS = ("ddp", "zero2", "zero3", "fsdp")
 _PARTS = ("rng", "sampler")
 
 
@@ -75,16 +75,22 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
     sampler = ShardedSampler(len(data), global_batch // info.world_size, info.rank,
                              info.world_size, seed=1)
     scheduler = None
-    if optimizer == "ddp":
-        from helpers.ddp import BucketedDDP
-        wrapped = BucketedDDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    if optimizer in ("ddp", "fsdp"):
+        if optimizer == "ddp":
+            from helpers.ddp import BucketedDDP
+            wrapped = BucketedDDP(model)
+            params = model.parameters()
+        else:  # the checkpoint holds the shards: the model is the wrapper
+            from helpers.fsdp import FSDP
+            wrapped = model = FSDP(model)
+            params = wrapped.parameters()
+        opt = torch.optim.AdamW(params, lr=lr, foreach=False)
         # a warm-up schedule, so that a resume that forgot it would show
         scheduler = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
     else:
         from helpers.zero import ZeroOptimizer
         wrapped = model
-        opt = ZeroOptimizer(model, stage=2, lr=lr)
+        opt = ZeroOptimizer(model, stage=int(optimizer[-1]), lr=lr)
     # With the lab's extras, its two functions handle the sampler and the RNGs.
     parts = {"sampler": None if extras else sampler, "scheduler": scheduler}
     rng = extras is None
@@ -106,7 +112,7 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
         _, loss = wrapped(x, y)
         loss.backward()
         opt.step()
-        if optimizer == "ddp":
+        if scheduler is not None:
             opt.zero_grad(set_to_none=True)
             scheduler.step()
         losses[step + 1] = _global_mean(loss.detach())
@@ -126,8 +132,10 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
             os.kill(os.getpid(), signal.SIGKILL)
     if saver is not None:
         saver.wait()
-    full = opt.full_parameters() if optimizer == "zero2" else \
-        {n: p.detach().clone() for n, p in model.named_parameters()}
+    if optimizer == "ddp":
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    else:  # sharded: all-gather the shards
+        full = (model if optimizer == "fsdp" else opt).full_parameters()
     return {"start": start, "losses": losses, "samples": samples, "params": full,
             "skipped": loaded.skipped}
 
