@@ -139,6 +139,27 @@ def test_async_saves_resume_like_blocking_ones(tmp_path):
     assert resumed["start"] == 4 and _same_params(full["params"], resumed["params"])
 
 
+def test_loss_scaler_state_keeps_an_fp16_resume_bitwise(tmp_path):
+    """fp16 autocast with a dynamic loss scaler (init 2^20, growth every 2 clean
+    steps): overflowing steps are skipped and the scale backs off. Cut at step 3,
+    after the scale has changed, the resume goes on bitwise; a resume that drops
+    the scaler's state starts again at 2^20, skips other steps and drifts."""
+    kw = dict(fp16=True, save_every=100)
+    full = launch(resumable_run, 2, str(tmp_path / "full"), 6, **kw)[0]
+    cut = str(tmp_path / "cut")
+    first = launch(resumable_run, 2, cut, 3, fp16=True, save_every=3)[0]
+    resumed = launch(resumable_run, 2, cut, 6, seed=123, **kw)[0]
+    no_scaler = launch(resumable_run, 2, cut, 6, seed=123, forget=("scaler",), **kw)[0]
+    # the scale did change before the cut: some of steps 1-3 overflowed and some stepped
+    assert len({first["stepped"][s] for s in (1, 2, 3)}) == 2
+    assert first["stepped"] == {s: full["stepped"][s] for s in (1, 2, 3)}
+    assert resumed["start"] == 3 and resumed["stepped"] == {s: full["stepped"][s] for s in (4, 5, 6)}
+    assert _same_params(full["params"], resumed["params"])  # exact: the same arithmetic
+    assert [full["losses"][s] for s in (4, 5, 6)] == [resumed["losses"][s] for s in (4, 5, 6)]
+    assert no_scaler["stepped"] != resumed["stepped"]
+    assert not _same_params(full["params"], no_scaler["params"])
+
+
 def _save_then_die_mid_save(directory):
     r = rank_info().rank
     save(directory, {"w": torch.full((4,), 2.0 + r)}, 2)
