@@ -26,6 +26,13 @@ def _same_params(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# The first torch.optim optimizer built in a fresh rank imports torch._dynamo
+# (12.6 s in one process on a 2-core machine shared with other jobs); 4 such
+# ranks on 2 busy cores can pass launch's default 60 s. Launches of runs with a
+# torch.optim optimizer below get room for that; a deadlock still ends in 300 s.
+SLOW = dict(timeout=300)
+
+
 # --------------------------------------------------------------------------
 # Single process: the state tree, RNG, scaler, shape checks.
 # --------------------------------------------------------------------------
@@ -144,10 +151,10 @@ def test_loss_scaler_state_keeps_an_fp16_resume_bitwise(tmp_path):
     steps): overflowing steps are skipped and the scale backs off. Cut at step 3,
     after the scale has changed, the resume goes on bitwise; a resume that drops
     the scaler's state starts again at 2^20, skips other steps and drifts."""
-    kw = dict(fp16=True, save_every=100)
+    kw = dict(fp16=True, save_every=100, **SLOW)
     full = launch(resumable_run, 2, str(tmp_path / "full"), 6, **kw)[0]
     cut = str(tmp_path / "cut")
-    first = launch(resumable_run, 2, cut, 3, fp16=True, save_every=3)[0]
+    first = launch(resumable_run, 2, cut, 3, fp16=True, save_every=3, **SLOW)[0]
     resumed = launch(resumable_run, 2, cut, 6, seed=123, **kw)[0]
     no_scaler = launch(resumable_run, 2, cut, 6, seed=123, forget=("scaler",), **kw)[0]
     # the scale did change before the cut: some of steps 1-3 overflowed and some stepped
@@ -376,10 +383,11 @@ def test_sharded_weights_resume_bitwise(tmp_path, optimizer):
     """Only the shards hold the weights: 4 steps in one go equal 2 steps, a new
     launch (other seed) and 2 more, with dropout (RNG) and, for FSDP, the
     warm-up schedule that has moved the optimizer's LR."""
-    full = launch(resumable_run, 2, str(tmp_path / "full"), 4, optimizer=optimizer)[0]
+    full = launch(resumable_run, 2, str(tmp_path / "full"), 4, optimizer=optimizer, **SLOW)[0]
     cut = str(tmp_path / "cut")
-    launch(resumable_run, 2, cut, 2, save_every=2, optimizer=optimizer)
-    resumed = launch(resumable_run, 2, cut, 4, save_every=100, optimizer=optimizer, seed=123)[0]
+    launch(resumable_run, 2, cut, 2, save_every=2, optimizer=optimizer, **SLOW)
+    resumed = launch(resumable_run, 2, cut, 4, save_every=100, optimizer=optimizer, seed=123,
+                     **SLOW)[0]
     assert resumed["start"] == 2
     assert _same_params(full["params"], resumed["params"])  # exact: the same arithmetic
     assert [full["losses"][s] for s in (3, 4)] == [resumed["losses"][s] for s in (3, 4)]
@@ -389,7 +397,7 @@ def test_sharded_weights_resume_bitwise(tmp_path, optimizer):
 def test_sharded_weights_reshard_4_to_2_on_the_loss_curve(tmp_path, optimizer):
     """Saved by 4 ranks at step 3, loaded by 2: exactly the saved weights (copies,
     no arithmetic), and the loss curve of a run that stayed on 4 ranks."""
-    kw = dict(optimizer=optimizer, dropout=0.0)  # dropout masks depend on the rank layout
+    kw = dict(optimizer=optimizer, dropout=0.0, **SLOW)  # dropout masks depend on the rank layout
     steady = launch(resumable_run, 4, str(tmp_path / "steady"), 5, save_every=100, **kw)[0]
     d = str(tmp_path / "moved")
     cut = launch(resumable_run, 4, d, 3, save_every=3, **kw)[0]
