@@ -11,6 +11,11 @@ collective call, median over the repetitions. Throughput = bytes on disk / time.
 Stall = how long the training thread is blocked: a blocking ``save``; ``AsyncSaver.save``
 (a copy into a reused staging buffer); ``dcp.async_save`` (its staging copy). The
 background writes are waited for outside the timed region.
+
+Two more rows save and load our checkpoint of the course's own sharded jobs on the
+same model: ``helpers.fsdp.FSDP`` with AdamW (``fsdp_state``) and ZeRO-3
+(``zero_state``), each against DCP on the FSDP2 job (the same weights and moments,
+so about the same bytes).
 """
 
 from __future__ import annotations
@@ -100,8 +105,59 @@ def measure(directory: str, size: str, reps: int) -> dict:
                       f"{directory}/dasync{i}"):
                 shutil.rmtree(d, ignore_errors=True)
         dist.barrier()
+    for kind in ("helpers.fsdp", "ZeRO-3"):
+        times.update(_ours_on(kind, size, x, directory, reps, timed, sizes))
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     return {"median": med, "bytes": sizes}
+
+
+def _ours_on(kind: str, size: str, x, directory: str, reps: int, timed, sizes: dict) -> dict:
+    """Save and load times of our checkpoint of a helpers.fsdp or ZeRO-3 job."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers.checkpoint import (fsdp_request, fsdp_state, load_fsdp_state, load_latest,
+                                    load_zero_state, save, zero_request, zero_state)
+    from helpers.fsdp import FSDP
+    from helpers.model import build_model
+    from helpers.zero import ZeroOptimizer
+
+    model = build_model(size)
+    if kind == "helpers.fsdp":
+        model = FSDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        key, state, request = "fsdp", fsdp_state, fsdp_request
+
+        def restore(st):
+            load_fsdp_state(model, opt, st)
+    else:
+        opt = ZeroOptimizer(model, 3, lr=1e-3)
+        key = "zero"
+
+        def state(model, opt):
+            return zero_state(opt)
+
+        def request(model, opt):
+            return zero_request(opt)
+
+        def restore(st):
+            load_zero_state(opt, st)
+    for _ in range(SAVE_STEPS):
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    times = {f"save {kind}": [], f"load {kind}": []}
+    for i in range(reps):
+        d = f"{directory}/{kind}{i}"
+        times[f"save {kind}"].append(timed(lambda: save(d, {key: state(model, opt)}, 1)))
+        sizes[kind] = _du(d)
+        times[f"load {kind}"].append(timed(
+            lambda: restore(load_latest(d, like={key: request(model, opt)}).state[key])))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        dist.barrier()
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
         ours = b["ours"] / m[f"{what} ours"] / mb
         theirs = b["DCP"] / m[f"{what} DCP"] / mb
         print(f"{what + ' MiB/s':22s} {ours:12.1f} {theirs:12.1f} {ours / theirs:11.2f}")
+    print(f"\nours on the course's sharded jobs vs DCP on FSDP2 (MiB/s, ratio to DCP)")
+    for kind in ("helpers.fsdp", "ZeRO-3"):
+        row = []
+        for what in ("save", "load"):
+            ours = b[kind] / m[f"{what} {kind}"] / mb
+            row.append(f"{what} {ours:8.1f} ({ours / (b['DCP'] / m[f'{what} DCP'] / mb):.2f})")
+        print(f"{kind:22s} {b[kind] / mb:6.1f} MiB   " + "   ".join(row))
     print(f"\n{'training stall':22s} {'ms':>12s} {'blocking / this':>16s}")
     for k in ("stall blocking", "stall AsyncSaver", "stall DCP async_save"):
         print(f"{k[6:]:22s} {m[k] * 1e3:12.1f} {m['stall blocking'] / m[k]:16.1f}")

@@ -1,5 +1,9 @@
 """Collectives on flat buffers, their ring cost, and freeing a tensor's storage.
 
+Also the two small helpers every data-parallel module needs: ``world_size``
+(1 outside a process group, so the code runs as plain single-process code)
+and ``completed_future`` (what a DDP comm hook returns when its work is done).
+
 The sharded mechanisms (``helpers.zero``, ``helpers.fsdp``,
 ``helpers.compression``) move flat 1-D buffers with two collectives:
 
@@ -28,11 +32,25 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["reduce_scatter", "all_gather", "ring_bytes_sent", "free_storage", "alloc_storage",
-           "is_allocated"]
+           "is_allocated", "world_size", "completed_future"]
 
 # torch >= 2.11 renamed the flat collectives; older releases have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def world_size(group=None) -> int:
+    """Ranks in ``group``; 1 outside any process group (plain single-process code)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def completed_future(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``: what a comm hook returns when the
+    work is done synchronously (one rank, or a blocking collective), so that
+    callers can ``.wait()`` on every hook alike."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def reduce_scatter(output, input, group=None, async_op=False):

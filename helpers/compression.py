@@ -63,8 +63,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.comm import all_gather, ring_bytes_sent
-from helpers.ddp import completed_future
-from helpers.dp import world_size
+from helpers.comm import completed_future, world_size
 
 __all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "should_compress"]
 

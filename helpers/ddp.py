@@ -105,21 +105,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.dp import broadcast_parameters, unique_parameters
-from helpers.dp import world_size
+from helpers.comm import completed_future, world_size  # (completed_future lived here first)
 
 __all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook",
            "completed_future", "MB"]
 
 MB = 1024 * 1024  # DDP's bucket_cap_mb counts binary megabytes
-
-
-def completed_future(value: torch.Tensor) -> torch.futures.Future:
-    """A future that already holds ``value``: what a comm hook returns when the
-    work is done synchronously (one rank, or a blocking collective), so that
-    callers can ``.wait()`` on every hook alike."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:

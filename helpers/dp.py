@@ -38,12 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.comm import world_size  # (it lived here first: keep the old import working)
+
 __all__ = ["broadcast_parameters", "average_gradients", "unique_parameters", "world_size"]
-
-
-def world_size(group=None) -> int:
-    """Ranks in ``group``; 1 outside any process group (plain single-process code)."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def unique_parameters(module: nn.Module, trainable_only: bool = True) -> list[nn.Parameter]:

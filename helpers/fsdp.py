@@ -25,6 +25,10 @@ A unit's life in one training step (sec. 3.2, Figure 3):
 unit's outputs: one multi-grad hook (``register_multi_grad_hook``, mode
 "any") over every tensor of the output pytree, so a unit may return a tuple,
 as ``nn.MultiheadAttention`` does, or any nesting of tensors.
+These hooks and the unit's buffer (gather into it asynchronously, never
+free it under a gather in flight) are ``helpers.unit_gather``, the same code
+ZeRO stage 3 runs (``helpers.zero.stage3``): FSDP is ZeRO-3 with units chosen
+by a policy.
 
 Only one or two units are ever full at a time, so the peak weight memory is a
 shard of everything plus the largest units, not the whole model. The root
@@ -110,12 +114,11 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from helpers.overlap import record_comm, wait_comm
-from helpers.comm import (all_gather, alloc_storage, free_storage, is_allocated,
-                          reduce_scatter, ring_bytes_sent)
+from helpers.comm import all_gather, reduce_scatter, ring_bytes_sent
+from helpers.unit_gather import UnitBuffer, register_unit_hooks, start_gather
 from helpers.zero import FlatPartition
 
 __all__ = ["FSDP", "GradShard", "hybrid_grid", "hybrid_groups", "block_policy",
@@ -211,8 +214,9 @@ def _refuse_if_wrapped(model: nn.Module) -> None:
                              f"unwrap() on that FSDP first, or build a fresh model")
 
 
-class _Unit:
-    """One FSDP unit: its parameters, a flat full buffer and this rank's shard."""
+class _Unit(UnitBuffer):
+    """One FSDP unit: its parameters, a flat full buffer (``UnitBuffer``, gathered
+    and freed as ZeRO-3's units are) and this rank's shard."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter],
                  shard_world: int, shard_rank: int):
@@ -227,14 +231,13 @@ class _Unit:
                              f"(they share one flat buffer), found {sorted(map(str, kinds))}")
         dtype, device = params[0].dtype, params[0].device
         # (padded,): every rank's chunk back to back
-        self.full = torch.zeros(b.padded, dtype=dtype, device=device)
+        super().__init__(torch.zeros(b.padded, dtype=dtype, device=device))
         for p, off in zip(params, b.offsets):
             seg = self.full[off:off + p.numel()]
             seg.copy_(p.detach().reshape(-1))
             p.data = seg.view_as(p)  # p is now a window into `full`
         self.shard = nn.Parameter(torch.zeros(b.chunk, dtype=dtype, device=device))  # (padded / S,)
         self.rank = shard_rank
-        self.pending = None  # async all-gather in flight (a prefetch)
         self.ready = 0       # parameters whose gradient arrived in this backward
         self.reduced = False
         self.grad_chunk = None  # this rank's averaged gradient chunk, once reduced
@@ -341,10 +344,10 @@ class FSDP(nn.Module):
         self._handles = [model.register_forward_pre_hook(self._root_pre_forward,
                                                          with_kwargs=True),
                          model.register_forward_hook(self._root_post_forward)]
-        for i, u in enumerate(self.units):
-            self._handles += [u.module.register_forward_pre_hook(self._pre_forward(i),
-                                                                 with_kwargs=True),
-                              u.module.register_forward_hook(self._post_forward(i))]
+        for i, u in enumerate(self.units):  # gather before forward and backward, free after
+            self._handles += register_unit_hooks(u.module, self._pre_forward(i),
+                                                 self._post_forward(i),
+                                                 lambda i=i: self._pre_backward(i))
         for u in self._all_units():
             for p in u.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate(u)))
@@ -366,7 +369,7 @@ class FSDP(nn.Module):
             u.full = torch.empty(u.full.numel(), dtype=self.param_dtype, device=u.full.device)
             for p, off in zip(u.params, u.bucket.offsets):
                 p.data = u.full[off:off + p.numel()].view(p.shape)
-        free_storage(u.full)
+        u.free()  # gathered only while the unit runs
         return u
 
     def _all_units(self) -> list[_Unit]:
@@ -403,43 +406,31 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------ gather/free
     def _gather(self, u: _Unit, async_op: bool = False) -> None:
-        if u.pending is not None:
-            if not async_op:  # someone needs it now: wait for the prefetch
-                self._wait(u.pending, f"all-gather {u.name}")
-                u.pending = None
+        if u.pending is not None:  # prefetched
+            if not async_op:  # someone needs it now: wait for it
+                u.wait()
             return
-        if is_allocated(u.full):
+        if u.gathered:
             return
-        alloc_storage(u.full)
         nbytes = u.full.numel() * u.full.element_size()
         self._gathered_now += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
         self._count("all_gather", nbytes, self.S)
-        if self.S == 1:
-            u.full.copy_(u.shard.detach())  # (casts to param_dtype)
-            return
         # (padded / S,) this rank's chunk, cast to param_dtype first: half the
-        # bytes on the wire in bf16. Kept on the unit until the gather is done.
-        u.gather_input = u.shard.detach().to(u.full.dtype)
-        t0 = time.perf_counter()
-        work = all_gather(u.full, u.gather_input, group=self.shard_group, async_op=True)
-        self._record_comm(work, f"all-gather {u.name}", t0)
-        if async_op:
-            u.pending = work
-        else:
-            self._wait(work, f"all-gather {u.name}")
+        # bytes on the wire in bf16.
+        chunk = u.shard.detach().to(u.full.dtype)
+        start_gather([u], [chunk], self.shard_group, self.S, self.timeline, f"all-gather {u.name}")
+        if not async_op:
+            u.wait()
 
     def gather_async(self, u: _Unit) -> None:
         """Start gathering unit ``u`` without waiting (a no-op if it is full or on its way)."""
         self._gather(u, async_op=True)
 
     def _free(self, u: _Unit) -> None:
-        if u.pending is not None:  # never free storage a collective is writing into
-            self._wait(u.pending, f"all-gather {u.name}")
-            u.pending = None
-        if is_allocated(u.full):
+        if u.gathered:
             self._gathered_now -= u.full.numel() * u.full.element_size()
-            free_storage(u.full)
+        u.free()  # (waits first for a gather still writing into it)
 
     def _wait(self, work, name) -> None:
         wait_comm(self.timeline, work, name)
@@ -475,7 +466,7 @@ class FSDP(nn.Module):
                 self._free(u)
 
     def _pre_forward(self, i):
-        def hook(module, args, kwargs):
+        def hook(args, kwargs):
             u = self.units[i]
             self._gather(u)
             if self.prefetch is not None:
@@ -486,22 +477,12 @@ class FSDP(nn.Module):
         return hook
 
     def _post_forward(self, i):
-        def hook(module, args, out):
+        def hook():
             u = self.units[i]
             if self.timeline is not None:
                 self.timeline.add("compute", f"forward {u.name}", u.t_fwd, time.perf_counter())
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)
-            if torch.is_grad_enabled():
-                # Any pytree of outputs (nn.MultiheadAttention returns a tuple):
-                # one hook over every output that backward can reach, fired by
-                # the first of their gradients to arrive (FSDP2 does the same).
-                outs = [t for t in tree_flatten(out)[0]
-                        if isinstance(t, torch.Tensor) and t.requires_grad]
-                if outs:
-                    register_multi_grad_hook(outs, lambda grad: self._pre_backward(i),
-                                             mode="any")
-            return None
         return hook
 
     def _pre_backward(self, i) -> None:

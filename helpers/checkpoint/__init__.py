@@ -18,14 +18,15 @@ The pieces, one module each:
   larger tensor; the manifest's shard table lets another world size read the
   ranges it needs (resharding). Loads use ``torch.load(weights_only=True)``.
 * ``state``: everything a bitwise resume needs: weights, optimizer (also
-  ZeRO's sharded moments, as per-parameter Shards), LR scheduler, loss
-  scaler, the sampler's position and every RNG stream.
+  ZeRO's and FSDP's sharded weights and moments, as per-parameter Shards),
+  LR scheduler, loss scaler, the sampler's position and every RNG stream.
 * ``async_save``: ``AsyncSaver`` stalls training only for a copy into CPU
   memory and writes in a background thread.
 * ``failures``: job MTBF from per-GPU failure rates, the Young/Daly optimal
   interval, goodput, and a replay of random failures to check them.
-* ``train``: the chapter's resumable training loop (DDP or ZeRO-2), which can
-  kill one of its ranks at a chosen step or in the middle of a save;
+* ``train``: the chapter's resumable training loop (DDP, ZeRO-2, ZeRO-3 or
+  ``helpers.fsdp``), which can kill one of its ranks at a chosen step or in
+  the middle of a save;
   ``job``: the same loop as a ``torchrun --max-restarts`` job.
 * ``dcp``: the production twin, PyTorch's ``torch.distributed.checkpoint``
   on an FSDP2 job, and a bridge from its DTensors to our Shards.
@@ -46,7 +47,8 @@ that with a killed rank.
 """
 
 from helpers.checkpoint.async_save import AsyncSaver, snapshot
-from helpers.checkpoint.state import (load_scaler_state, load_zero_state, restore_training_state,
+from helpers.checkpoint.state import (fsdp_request, fsdp_state, load_fsdp_state,
+                                      load_scaler_state, load_zero_state, restore_training_state,
                                       resume_request, rng_state, scaler_state, set_rng_state,
                                       training_state, zero_request, zero_state)
 from helpers.checkpoint.store import (CheckpointMismatch, Loaded, Shard, checkpoint_dir,
@@ -55,4 +57,5 @@ from helpers.checkpoint.store import (CheckpointMismatch, Loaded, Shard, checkpo
 __all__ = ["save", "load_latest", "Loaded", "Shard", "CheckpointMismatch", "list_checkpoints",
            "checkpoint_dir", "AsyncSaver", "snapshot", "rng_state", "set_rng_state",
            "scaler_state", "load_scaler_state", "zero_state", "zero_request", "load_zero_state",
-           "training_state", "resume_request", "restore_training_state"]
+           "training_state", "resume_request", "restore_training_state", "fsdp_state",
+           "fsdp_request", "load_fsdp_state"]

@@ -409,6 +409,15 @@ def _assemble(key: str, want: Shard, manifest: dict, files: dict) -> Shard:
         if a >= b:
             continue
         piece = _lookup(files[p["file"]], key)
+        # The manifest is not checksummed: its shard table must agree with the
+        # (checksummed) piece itself, or the copy would put elements in the wrong place.
+        layout = (tuple(manifest["shards"][key]["global_shape"]), p["offset"], p["numel"])
+        found = (piece.global_shape, piece.offset, piece.data.numel()) \
+            if isinstance(piece, Shard) else None
+        if found != layout:
+            raise CheckpointMismatch(
+                f"{key}: the manifest places {p['file']}'s piece at (shape, offset, numel) "
+                f"{layout}, the file holds {found}: the layout table is corrupt")
         out[a - lo:b - lo] = piece.data[a - piece.offset:b - piece.offset]
         covered[a - lo:b - lo] = True
     if not covered.all():

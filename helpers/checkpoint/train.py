@@ -10,7 +10,11 @@ used, and the final full weights.
 ``forget`` leaves parts of the state out of the *restore* (they are still
 saved), to show what goes wrong without them: ``"rng"`` (dropout masks redrawn
 from the launch's seed), ``"sampler"`` (data order restarted at the beginning
-of the epoch). ``crash`` = (step, rank): that rank SIGKILLs itself right
+of the epoch), ``"scaler"`` (the loss scale back at its initial value and its
+count of clean steps at 0, so other steps overflow and are skipped).
+``fp16=True`` (DDP only) runs forward and backward under fp16 autocast with
+``helpers.precision.DynamicLossScaler``, whose state the checkpoint carries;
+``"stepped"`` in the result says which steps the scaler let through. ``crash`` = (step, rank): that rank SIGKILLs itself right
 after finishing that step, the way a GPU falling off the bus ends a process;
 ``crash_in_save`` = (step, rank): the same in the middle of that step's save,
 once its own file is written and before the manifest. ``extras`` =
@@ -36,13 +40,16 @@ from helpers.model import build_model
 
 __all__ = ["resumable_run", "OPTIMIZERS"]
 
-OPTIMIZERS = ("ddp", "zero2")
-_PARTS = ("rng", "sampler")
+OPTIMIZERS = ("ddp", "zero2", "zero3", "fsdp")
+_PARTS = ("rng", "sampler", "scaler")
 
 
-def _check(steps, save_every, optimizer, forget, crash) -> None:
+def _check(steps, save_every, optimizer, forget, crash, fp16) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if fp16 and optimizer != "ddp":
+        # the scaler reads every p.grad, full and averaged: DDP's, not a shard's
+        raise ValueError(f"fp16 (loss scaling) runs with optimizer='ddp', got {optimizer!r}")
     if not isinstance(steps, int) or steps < 1 or not isinstance(save_every, int) \
             or save_every < 1:
         raise ValueError(f"steps and save_every must be positive ints, got {steps}, {save_every}")
@@ -57,15 +64,17 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
                   dropout: float = 0.1, forget: tuple = (), crash: tuple | None = None,
                   global_batch: int = 8, seq_len: int = 16, lr: float = 1e-2,
                   async_save: bool = False, keep: int | None = None,
-                  crash_in_save: tuple | None = None, extras=None, size: str = "toy") -> dict:
+                  crash_in_save: tuple | None = None, extras=None, size: str = "toy",
+                  fp16: bool = False) -> dict:
     """Train (resuming if possible) to ``steps``; see the module docstring.
 
     Returns {"start": step resumed from, "losses": {step: global mean loss},
     "samples": {step: global sample indices}, "params": full weights,
-    "skipped": reasons load_latest gave}. The global batch is fixed, so any
+    "skipped": reasons load_latest gave, "stepped": {step: whether the optimizer
+    stepped} with fp16}. The global batch is fixed, so any
     world size that divides it sees the same data at every step.
     """
-    _check(steps, save_every, optimizer, forget, crash)
+    _check(steps, save_every, optimizer, forget, crash, fp16)
     info = rank_info()
     if global_batch % info.world_size:
         raise ValueError(f"global batch {global_batch} does not split over "
@@ -75,18 +84,31 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
     sampler = ShardedSampler(len(data), global_batch // info.world_size, info.rank,
                              info.world_size, seed=1)
     scheduler = None
-    if optimizer == "ddp":
-        from helpers.ddp import BucketedDDP
-        wrapped = BucketedDDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    if optimizer in ("ddp", "fsdp"):
+        if optimizer == "ddp":
+            from helpers.ddp import BucketedDDP
+            wrapped = BucketedDDP(model)
+            params = model.parameters()
+        else:  # the checkpoint holds the shards: the model is the wrapper
+            from helpers.fsdp import FSDP
+            wrapped = model = FSDP(model)
+            params = wrapped.parameters()
+        opt = torch.optim.AdamW(params, lr=lr, foreach=False)
         # a warm-up schedule, so that a resume that forgot it would show
         scheduler = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
     else:
         from helpers.zero import ZeroOptimizer
         wrapped = model
-        opt = ZeroOptimizer(model, stage=2, lr=lr)
+        opt = ZeroOptimizer(model, stage=int(optimizer[-1]), lr=lr)
+    scaler = None
+    if fp16:
+        from helpers.precision import DynamicLossScaler
+        # 2^20 overflows fp16's activation gradients of the toy at once; growing
+        # every 2 clean steps brings the overflows back every few steps, so the
+        # scale and the count of clean steps both decide which steps are skipped.
+        scaler = DynamicLossScaler(init_scale=2.0 ** 20, growth_interval=2)
     # With the lab's extras, its two functions handle the sampler and the RNGs.
-    parts = {"sampler": None if extras else sampler, "scheduler": scheduler}
+    parts = {"sampler": None if extras else sampler, "scheduler": scheduler, "scaler": scaler}
     rng = extras is None
     loaded = load_latest(directory, like=resume_request(model, opt, rng=rng, **parts))
     start = 0
@@ -99,14 +121,22 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
             extras[1](state["extras"], sampler)
 
     saver = AsyncSaver(keep=keep) if async_save else None
-    losses, samples = {}, {}
+    losses, samples, stepped = {}, {}, {}
+    device_type = next(model.parameters()).device.type
     for step in range(start, steps):
         idx = next(sampler)
         x, y = data.batch(idx)
-        _, loss = wrapped(x, y)
-        loss.backward()
-        opt.step()
-        if optimizer == "ddp":
+        # fp16: matmuls in fp16 (autocast), weights and gradients fp32, as torch.amp's recipe
+        with torch.autocast(device_type, dtype=torch.float16, enabled=fp16):
+            _, loss = wrapped(x, y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:  # DDP has averaged the scaled gradients: every rank sees the same overflow
+            scaler.scale(loss).backward()
+            stepped[step + 1] = scaler.step(opt, model.parameters())  # skipped on inf/nan
+            scaler.update()
+        if scheduler is not None:
             opt.zero_grad(set_to_none=True)
             scheduler.step()
         losses[step + 1] = _global_mean(loss.detach())
@@ -126,10 +156,12 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
             os.kill(os.getpid(), signal.SIGKILL)
     if saver is not None:
         saver.wait()
-    full = opt.full_parameters() if optimizer == "zero2" else \
-        {n: p.detach().clone() for n, p in model.named_parameters()}
+    if optimizer == "ddp":
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    else:  # sharded: all-gather the shards
+        full = (model if optimizer == "fsdp" else opt).full_parameters()
     return {"start": start, "losses": losses, "samples": samples, "params": full,
-            "skipped": loaded.skipped}
+            "skipped": loaded.skipped, "stepped": stepped}
 
 
 def _killer(crash_in_save, step: int, rank: int):

@@ -31,8 +31,6 @@ so rank r's piece is again "its chunk of every unit".
 
 from __future__ import annotations
 
-from helpers.comm import is_allocated
-
 __all__ = ["PrefetchMixin"]
 
 
@@ -66,13 +64,14 @@ class PrefetchMixin:
     def _prefetch(self, upcoming) -> None:
         """Gather upcoming units, in one collective, until prefetch_bucket_numel
         elements are in flight (DeepSpeed counts the same way)."""
-        in_flight = sum(self.partition.buckets[j].padded for j in self._inflight)
+        in_flight = sum(self.partition.buckets[j].padded for j, u in enumerate(self.units)
+                        if u.pending is not None)
         group: list[int] = []
         for pos in upcoming:
             if in_flight >= self.prefetch_bucket_numel:
                 break
             j = self._trace[pos]
-            if j in group or j in self._inflight or is_allocated(self.unit_full[j]):
+            if j in group or self.units[j].gathered:  # (in flight counts as gathered)
                 continue
             group.append(j)
             in_flight += self.partition.buckets[j].padded

@@ -15,9 +15,12 @@ once: 1.5x DP's volume (ZeRO sec. 7.2.2). A weight tied between two modules
 (the GPT's embedding and head) lives in the first module's unit; the second
 module gathers that unit as well.
 
-"Freeing" keeps the parameter tensors (autograd saved them, some as views)
-and shrinks their shared storage to 0 bytes (``helpers.comm.free_storage``);
-gathering grows it back and fills it, as PyTorch's first FSDP did.
+The gather/free itself (the unit's flat buffer, its asynchronous all-gather,
+the forward and backward hooks) is ``helpers.unit_gather``, the same code
+``helpers.fsdp`` runs; what is ZeRO-3's own is which module needs which
+units, and when a unit may go. "Freeing" keeps the parameter tensors
+(autograd saved them, some as views) and shrinks their shared storage to 0
+bytes; gathering grows it back and fills it, as PyTorch's first FSDP did.
 ``prefetch.py`` adds DeepSpeed's knobs for fewer, larger collectives.
 """
 
@@ -25,13 +28,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
 
-from helpers.comm import all_gather, alloc_storage, free_storage, is_allocated
 from helpers.zero.base import ZeroOptimizer
 from helpers.zero.prefetch import PrefetchMixin
 from helpers.zero.reduce_in_backward import ReduceScatterInBackward
+from helpers.unit_gather import UnitBuffer, register_unit_hooks, start_gather
 
 __all__ = ["ZeroStage3", "LEAF_MODULES"]
 
@@ -90,7 +91,7 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
         part, r = self.partition, self.rank
         self.param_shard = self._zeros(part.shard_numel)
         self.grad_shard = self._zeros(part.shard_numel)
-        self.unit_full: list[torch.Tensor] = []
+        self.units: list[UnitBuffer] = []  # one per bucket: its full weights, when gathered
         for b in part.buckets:
             full = self._zeros(b.padded)
             for i, off in zip(b.params, b.offsets):
@@ -101,8 +102,9 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
             self._broadcast(full)
             self.param_shard[b.shard_start:b.shard_start + b.chunk].copy_(
                 full[r * b.chunk:(r + 1) * b.chunk])
-            free_storage(full)  # the full weights exist only while a module runs
-            self.unit_full.append(full)
+            unit = UnitBuffer(full)
+            unit.free()  # the full weights exist only while a module runs
+            self.units.append(unit)
         self._param_chunks = [self.param_shard[b.shard_start:b.shard_start + b.chunk]
                               for b in part.buckets]
         self._init_optimizer_state(self._param_chunks)
@@ -112,16 +114,32 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
                 owner[id(self.params[i])] = bi
         for module, own, tied in self._module_units:
             units = sorted(set(own) | {owner[t] for t in tied})
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(units)))
-            self._hooks.append(module.register_forward_hook(self._post_forward(units)))
+            self._hooks += register_unit_hooks(
+                module, before_forward=self._gather_units(units),
+                after_forward=lambda units=units: self._release_units(units),
+                before_backward=self._gather_units(units))
         self._install_grad_hooks()
-        self._inflight: dict[int, tuple] = {}  # unit -> its (work, units, output) all-gather
         self._init_trace()
+
+    @property
+    def unit_full(self) -> list[torch.Tensor]:
+        """Each unit's full flat buffer (0 bytes of storage while freed)."""
+        return [u.full for u in self.units]
 
     def _weight_tensors(self):
         return [self.param_shard] + self.unit_full
 
     # ------------------------------------------------------------ gather/free
+    def _gather_units(self, units: list[int]):
+        def gather(*args):  # forward pre-hook (args, kwargs) or backward (no args)
+            for bi in units:
+                self.gather_unit(bi)
+        return gather
+
+    def _release_units(self, units: list[int]) -> None:
+        for bi in units:
+            self._release(bi)
+
     def gather_unit(self, bi: int) -> None:
         """A module needs unit ``bi``'s full weights: make sure they are there,
         then (with prefetch on) start gathering the units the trace says come next."""
@@ -131,42 +149,17 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
             self._prefetch(upcoming)
 
     def _ensure_gathered(self, bi: int) -> None:
-        if bi in self._inflight:
-            self._complete(self._inflight[bi])  # prefetched: usually already arrived
-        elif not is_allocated(self.unit_full[bi]):
-            self._complete(self._start_gather([bi]))
+        if not self.units[bi].gathered:
+            self._start_gather([bi])
+        self.units[bi].wait()  # prefetched: usually already arrived
 
-    def _start_gather(self, units: list[int]) -> tuple:
+    def _start_gather(self, units: list[int]) -> None:
         """One asynchronous all-gather of ``units`` (coalesced if several)."""
-        buckets = self.partition.buckets
-        for j in units:
-            alloc_storage(self.unit_full[j])
         name = f"all-gather {units[0]}" + (f"..{units[-1]}" if len(units) > 1 else "")
-        if len(units) == 1:  # straight into the unit's storage
-            inp, out = self._param_chunks[units[0]], self.unit_full[units[0]]
-        else:  # rank-major layout: [rank 0: A, B, ... | rank 1: A, B, ... | ...]
-            inp = torch.cat([self._param_chunks[j] for j in units])
-            out = self._empty(self.world * inp.numel())
-        work = self._issue(all_gather, out, inp, name)
-        self._count("all_gather", sum(buckets[j].padded for j in units) * out.element_size())
-        pending = (work, units, out, name)
-        for j in units:
-            self._inflight[j] = pending
-        return pending
-
-    def _complete(self, pending: tuple) -> None:
-        """Wait for a gather and move coalesced results into each unit's storage."""
-        work, units, out, name = pending
-        if work is not None:
-            self._wait(work, name)
-        if len(units) > 1:
-            columns, col = out.view(self.world, -1), 0
-            for j in units:
-                c = self.partition.buckets[j].chunk
-                self.unit_full[j].view(self.world, c).copy_(columns[:, col:col + c])
-                col += c
-        for j in units:
-            self._inflight.pop(j, None)
+        start_gather([self.units[j] for j in units], [self._param_chunks[j] for j in units],
+                     self.group, self.world, self.timeline, name)
+        nbytes = sum(self.partition.buckets[j].padded for j in units) * self.param_shard.element_size()
+        self._count("all_gather", nbytes)
 
     def _release(self, bi: int) -> None:
         """A module is done with unit bi: free it, unless it is needed again soon."""
@@ -174,34 +167,7 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
             self.free_unit(bi)
 
     def free_unit(self, bi: int) -> None:
-        if bi in self._inflight:  # never free storage a collective is writing into
-            self._complete(self._inflight[bi])
-        free_storage(self.unit_full[bi])
-
-    def _pre_forward(self, units):
-        def hook(module, args):
-            for bi in units:
-                self.gather_unit(bi)
-        return hook
-
-    def _post_forward(self, units):
-        def hook(module, args, out):
-            for bi in units:
-                self._release(bi)
-            # The output may be any pytree (nn.MultiheadAttention returns a tuple):
-            # one hook over all its tensors that need a gradient, fired by the first
-            # gradient that reaches any of them (FSDP2 does the same).
-            outputs = [t for t in tree_leaves(out)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if torch.is_grad_enabled() and outputs:
-                register_multi_grad_hook(outputs, pre_backward, mode="any")
-            return None
-
-        def pre_backward(grad):
-            # Fires when backward reaches this module's output: gather again.
-            for bi in units:
-                self.gather_unit(bi)
-        return hook
+        self.units[bi].free()  # (waits first for a gather still writing into it)
 
     def _bucket_done(self, bi: int) -> None:
         self._release(bi)  # the unit's gradients are sent: its weights can go
@@ -224,5 +190,5 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
             for p in self.params:
                 p.data = p.detach().clone()  # out of the unit's storage, which is freed
             for bi in range(len(self.partition.buckets)):
-                free_storage(self.unit_full[bi])
+                self.free_unit(bi)
         super().remove_hooks()
