@@ -173,6 +173,10 @@ class RankError(RuntimeError):
         self.exc_type = exc_type
         self.rank_traceback = rank_traceback
         self.frames = frames or []
+        # Set when the ranks recorded their collectives (helpers.debug):
+        # rank -> [CallRecord], and the cross-rank diff that ends the message.
+        self.records: dict[int, list] | None = None
+        self.diff: str | None = None
 
     def _render_traceback_(self) -> list[str]:
         """What IPython prints instead of the caller-side traceback (which would
@@ -184,6 +188,8 @@ class RankError(RuntimeError):
             lines += _format_frames(self.frames)
         if self.rank_traceback:
             lines.append(f"(all of rank {self.rank}'s frames: sys.last_value.rank_traceback)")
+        if self.diff and self.rank_traceback:  # (a timeout's summary has it already)
+            lines += ["", self.diff]
         return lines
 
 
@@ -242,6 +248,17 @@ def _cell_name(filename: str, lineno: int) -> str:
 
 
 _RANK_INFO: RankInfo | None = None
+# Inside a rank: sends a message to the caller over the rank's socket (the
+# collective recorder streams its calls through it, so they survive a hang).
+_CALLER_SEND: Callable[[tuple], None] | None = None
+
+
+def _caller_channel() -> Callable[[tuple], None] | None:
+    """How a rank's code reaches the caller: ``send(("rec", event))``-style
+    messages are kept as that rank's collective record; None outside a launch."""
+    if _CALLER_SEND is None:
+        return None
+    return lambda event: _CALLER_SEND(("rec", event))
 
 
 def rank_info() -> RankInfo:
@@ -529,7 +546,8 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, store: Any) -
         import torch.distributed as dist
 
         _become_fresh(spec)
-        global _RANK_INFO
+        global _RANK_INFO, _CALLER_SEND
+        _CALLER_SEND = send
         device = "cpu"
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
@@ -934,7 +952,7 @@ def _get_pool(world_size: int) -> _Pool:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float = 60.0, seed: int = 0, seed_per_rank: bool = False,
-           **kwargs: Any) -> list[Any]:
+           record: bool = False, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return results in rank order.
 
     backend: "auto" (nccl with one GPU per rank if there are enough GPUs, else
@@ -943,9 +961,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         the rank server on the first launch gets its own allowance). A rank
         still running at the deadline raises ``RankTimeout`` naming it.
     seed / seed_per_rank: every rank is seeded with ``seed`` (or ``seed + rank``).
+    record: run ``fn`` inside ``helpers.debug.record_collectives()``. Either
+        way, if the ranks recorded their collectives and the launch fails, the
+        error ends with the cross-rank diff (``err.diff``, ``err.records``).
     Keyword arguments other than these go to ``fn``.
     """
     _check_args(fn, world_size, timeout)
+    if record:
+        from helpers.debug.recorder import recorded
+        fn = recorded(fn)
     if _under_torchrun():
         return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout,
                                       seed, seed_per_rank)
@@ -1013,6 +1037,7 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
     failures: list[tuple[int, str, tuple]] = []  # (rank, kind, details), in arrival order
     rank_of = {c: r for r, c in enumerate(conns)}
     give_up_at = None  # set when the first failure arrives
+    recorded: dict[int, list[tuple]] = {}  # rank -> events of its collective recorder
 
     while len(results) < n:
         now = time.monotonic()
@@ -1036,6 +1061,8 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
                 stream = sys.stdout if msg[1] == "stdout" else sys.stderr
                 stream.write(msg[2])
                 stream.flush()
+            elif msg[0] == "rec":
+                recorded.setdefault(rank, []).append(msg[1])
             elif msg[0] == "result":
                 results[rank] = msg[1]
             elif msg[0] == "error":
@@ -1044,17 +1071,40 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
         if failures and give_up_at is None:
             give_up_at = time.monotonic() + _GRACE
 
-    if failures:
-        _raise_root_cause(failures)
-    if len(results) == n:
+    if not failures and len(results) == n:
         return [results[r] for r in range(n)]
-    unfinished = sorted(set(range(n)) - set(results))
-    done = sorted(results)
-    raise RankTimeout(
-        f"rank(s) {unfinished} did not finish within the timeout"
-        f"{f' (rank(s) {done} did)' if done else ''}. This is usually a deadlock: a "
-        f"collective or send/recv that not every rank called, or called in a different "
-        f"order. All ranks were stopped.", unfinished)
+    try:
+        if failures:
+            _raise_root_cause(failures)
+        unfinished = sorted(set(range(n)) - set(results))
+        done = sorted(results)
+        raise RankTimeout(
+            f"rank(s) {unfinished} did not finish within the timeout"
+            f"{f' (rank(s) {done} did)' if done else ''}. This is usually a deadlock: a "
+            f"collective or send/recv that not every rank called, or called in a different "
+            f"order. All ranks were stopped.", unfinished)
+    except RankError as err:
+        if recorded:
+            _add_diff(err, recorded, _rank_status(n, results, failures))
+        raise
+
+
+def _rank_status(n: int, results: dict, failures: list) -> dict[int, str]:
+    """What became of each rank, in words, for the collective diff."""
+    status = {r: "returned from the rank function" for r in results}
+    status.update({r: "was still running at the timeout" for r in range(n) if r not in results})
+    for rank, kind, details in failures:
+        status[rank] = _describe_exit(details[0]) if kind == "died" else f"raised {details[0]}"
+    return status
+
+
+def _add_diff(err: RankError, events: dict[int, list[tuple]], status: dict[int, str]) -> None:
+    """End the error's message with the cross-rank diff of the recorded calls."""
+    from helpers.debug.diff import assemble, explain
+
+    err.records = assemble(events)
+    err.diff = explain(err.records, status)
+    err.args = (f"{err.args[0]}\n\n{err.diff}",) + err.args[1:]
 
 
 _COMM_WORDS = ("connection closed", "connection reset", "timed out", "timeout",
