@@ -101,8 +101,9 @@ def _after(rank: int, records, status) -> str:
 
 def _collective_findings(records, status) -> list[Finding]:
     findings = []
+    known = set(records) | set(status or {})  # a rank with no record at all still counts
     for group, seqs in _by_group(records).items():
-        members = [r for r in group if r in records]
+        members = [r for r in group if r in known]
         for i in range(max(len(seqs[r]) for r in members)):
             present = {r: seqs[r][i] for r in members if i < len(seqs[r])}
             sigs = Counter(c.signature() for c in present.values())
