@@ -617,6 +617,11 @@ def _server_entry() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch  # noqa: F401 - the point of the server: every fork has torch imported
     import torch.distributed  # noqa: F401
+    # Every optimizer's constructor imports torch._dynamo (for its
+    # disable-compile decorator), which imports sympy: 1-2 s of CPU per rank
+    # on a quiet core if each rank did it. It starts no thread, so it is safe
+    # to import once here and fork.
+    import torch._dynamo  # noqa: F401
     import ctypes  # noqa: F401 - each rank uses it (_die_with_server)
     # Work every rank would otherwise repeat: the first seeding imports
     # numpy.random (tens of ms). Nothing here starts a thread or touches CUDA.
