@@ -112,3 +112,44 @@ def slow_rank(slow: int, steps: int):
     return rec.calls
 
 
+
+
+# -- replicas --------------------------------------------------------------------
+
+def ddp_steps(steps: int = 2, local_clip_on: int | None = None, flip_on: int | None = None,
+              flip_what: str = "param"):
+    """A few steps of BucketedDDP + AdamW on a small MLP, each rank its own batch.
+
+    local_clip_on=r: rank r clips with the norm of its *local* gradients
+    (computed before the all-reduce) - a rank-dependent update.
+    flip_on=r: after training, one bit of rank r's state flips (a parameter,
+    or an Adam moment with flip_what="optimizer")."""
+    from helpers.ddp import BucketedDDP
+    from helpers.debug.replica import check_replicas, flip_bit
+
+    rank = dist.get_rank()
+    net = torch.nn.Sequential()
+    net.add_module("fc1", torch.nn.Linear(8, 32))
+    net.add_module("act", torch.nn.GELU())
+    net.add_module("fc2", torch.nn.Linear(32, 8))
+    model = BucketedDDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        loss = (model(x) - x).pow(2).mean()
+        local_norm = None
+        if rank == local_clip_on:  # BUG: the norm of this rank's own gradients...
+            loss.backward(retain_graph=True)
+            local_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+            opt.zero_grad()
+        loss.backward()
+        if local_norm is not None:  # ...scales the all-reduced ones on this rank only
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3 * local_norm.item())
+        opt.step()
+        opt.zero_grad()
+    healthy_before_flip = check_replicas(model.module, opt)
+    if rank == flip_on:
+        p = model.module.fc2.weight
+        flip_bit(p if flip_what == "param" else opt.state[p]["exp_avg"], index=5)
+    return healthy_before_flip, check_replicas(model.module, opt)

@@ -1,4 +1,4 @@
-"""Benchmarks of chapters 13-16 refuse bad arguments with a message naming the
+"""Benchmarks of chapters 13-18 refuse bad arguments with a message naming the
 flag, before any rank starts or any model is built (chapters 02-04 and 12 test
 theirs beside their mechanisms)."""
 
@@ -24,6 +24,10 @@ CASES = [
     ("bench_checkpoint", ["--size", "huge"], "--size must be one of"),
     ("bench_checkpoint", ["--world", "1"], "--world must be >= 2"),
     ("bench_checkpoint", ["--reps", "0"], "--reps must be >= 1"),
+    ("bench_debug", ["--size", "huge"], "--size must be one of"),
+    ("bench_debug", ["--steps", "1"], "--steps must be >= 2"),
+    ("bench_debug", ["--ranks", "1"], "--ranks must be >= 2"),
+    ("bench_debug", ["--calls", "0"], "--calls must be >= 1"),
 ]
 
 

@@ -84,6 +84,8 @@ OPS = COLLECTIVES + P2P + ("batch_isend_irecv",)
 _PEER_ARG = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
 _GROUP_PEER_ARG = {"send": "group_dst", "isend": "group_dst", "recv": "group_src",
                    "irecv": "group_src"}
+# The root of a rooted collective: every rank must name the same one.
+_ROOT_ARG = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 
 
 @dataclasses.dataclass
@@ -102,14 +104,15 @@ class CallRecord:
     end: float | None = None
     async_op: bool = False
     world: int = 0                  # the default group's size (to tell a subgroup)
+    root: int | None = None         # src/dst of broadcast, reduce, gather, scatter
 
     @property
     def is_p2p(self) -> bool:
         return self.op in P2P
 
     def signature(self) -> tuple:
-        """What every rank of a collective must agree on: op, group, shapes, dtypes."""
-        return (self.op, self.group, self.shapes, self.dtypes)
+        """What every rank of a collective must agree on: op, group, root, shapes, dtypes."""
+        return (self.op, self.group, self.root, self.shapes, self.dtypes)
 
     def describe(self) -> str:
         """``all_reduce [4] float32`` / ``send [2, 3] float32 to rank 1``."""
@@ -126,6 +129,8 @@ class CallRecord:
             text += " " + "/".join(dtypes)
         if self.peer is not None:
             text += f" {'to' if self.op in ('send', 'isend') else 'from'} rank {self.peer}"
+        if self.root is not None:
+            text += f" {'from' if _ROOT_ARG[self.op] == 'src' else 'to'} rank {self.root}"
         if len(self.group) != self.world:
             text += f" in group {list(self.group)}"
         return text
@@ -233,7 +238,7 @@ class Recorder:
                          group=self._group_ranks(group), peer=peer, shapes=shapes,
                          dtypes=dtypes, where=_calling_lines(frame), start=time.time(),
                          async_op=bool(bound.get("async_op")) or op in ("isend", "irecv"),
-                         world=dist.get_world_size())
+                         world=dist.get_world_size(), root=bound.get(_ROOT_ARG.get(op, "")))
         self.calls.append(rec)
         if self._sink is not None:
             self._sink(("call", rec))
