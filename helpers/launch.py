@@ -106,11 +106,13 @@ import itertools
 import linecache
 import multiprocessing.connection as mpc
 import os
+import pickle
 import random
 import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -248,17 +250,55 @@ def _cell_name(filename: str, lineno: int) -> str:
 
 
 _RANK_INFO: RankInfo | None = None
-# Inside a rank: sends a message to the caller over the rank's socket (the
-# collective recorder streams its calls through it, so they survive a hang).
-_CALLER_SEND: Callable[[tuple], None] | None = None
+# Inside a rank: the file its collective recorder appends to (see _record_path).
+_RECORD_PATH: str | None = None
+
+
+def _record_path(store_port: int, generation: int, rank: int) -> str:
+    """Where a rank's collective record goes: a file per rank, in memory
+    (/dev/shm) where there is one. Appending costs a write() per call, and
+    unlike a message on the rank's socket it wakes nobody: the caller reads the
+    files only when a launch fails, including when the rank hangs or is killed
+    (what was written before is there). The store's port (held by this caller)
+    and the launch's number make the name unique."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"course-record-{store_port}-{generation}-{rank}")
 
 
 def _caller_channel() -> Callable[[tuple], None] | None:
-    """How a rank's code reaches the caller: ``send(("rec", event))``-style
-    messages are kept as that rank's collective record; None outside a launch."""
-    if _CALLER_SEND is None:
+    """Inside a launch's rank: a function that appends an event to this rank's
+    record file, for the caller (None outside a launch). Each event is one
+    length-prefixed pickle, written with one write() call."""
+    if _RECORD_PATH is None:
         return None
-    return lambda event: _CALLER_SEND(("rec", event))
+    fd = os.open(_RECORD_PATH, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def append(event: tuple) -> None:
+        data = pickle.dumps(event)
+        os.write(fd, len(data).to_bytes(8, "little") + data)
+    return append
+
+
+def _read_records(store_port: int, generation: int, n: int) -> dict[int, list[tuple]]:
+    """Every rank's recorded events; a frame cut short (a rank killed while
+    writing it) is dropped. (``launch`` removes the files when the ranks are gone.)"""
+    out: dict[int, list[tuple]] = {}
+    for rank in range(n):
+        path = _record_path(store_port, generation, rank)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except OSError:
+            continue
+        events, at = [], 0
+        while at + 8 <= len(blob):
+            size = int.from_bytes(blob[at:at + 8], "little")
+            if at + 8 + size > len(blob):
+                break
+            events.append(pickle.loads(blob[at + 8:at + 8 + size]))
+            at += 8 + size
+        out[rank] = events
+    return out
 
 
 def rank_info() -> RankInfo:
@@ -546,8 +586,8 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, store: Any) -
         import torch.distributed as dist
 
         _become_fresh(spec)
-        global _RANK_INFO, _CALLER_SEND
-        _CALLER_SEND = send
+        global _RANK_INFO, _RECORD_PATH
+        _RECORD_PATH = _record_path(spec.store_port, spec.generation, rank)
         device = "cpu"
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
@@ -990,6 +1030,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     with _POOL_LOCK:
         pool, conns, generation = _start_ranks(world_size, backend, timeout, seed,
                                                seed_per_rank, payload)
+        port = pool.store.port  # (names the launch's record files)
         ended = False  # are all of this launch's ranks gone or going?
         try:
             results = _collect(pool, conns, generation, time.monotonic() + timeout)
@@ -1007,6 +1048,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         finally:
             for c in conns:
                 c.close()
+            for r in range(world_size):  # the collective records, if any rank wrote one
+                with contextlib.suppress(OSError):
+                    os.unlink(_record_path(port, generation, r))
             if not ended:  # the server did not answer: replace it
                 _kill_pool()
         return results
@@ -1042,7 +1086,6 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
     failures: list[tuple[int, str, tuple]] = []  # (rank, kind, details), in arrival order
     rank_of = {c: r for r, c in enumerate(conns)}
     give_up_at = None  # set when the first failure arrives
-    recorded: dict[int, list[tuple]] = {}  # rank -> events of its collective recorder
 
     while len(results) < n:
         now = time.monotonic()
@@ -1066,8 +1109,6 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
                 stream = sys.stdout if msg[1] == "stdout" else sys.stderr
                 stream.write(msg[2])
                 stream.flush()
-            elif msg[0] == "rec":
-                recorded.setdefault(rank, []).append(msg[1])
             elif msg[0] == "result":
                 results[rank] = msg[1]
             elif msg[0] == "error":
@@ -1089,7 +1130,9 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
             f"collective or send/recv that not every rank called, or called in a different "
             f"order. All ranks were stopped.", unfinished)
     except RankError as err:
-        if recorded:
+        # The ranks still run (they are killed after this): what they wrote so far.
+        recorded = _read_records(pool.store.port, generation, n)
+        if any(recorded.values()):
             _add_diff(err, recorded, _rank_status(n, results, failures))
         raise
 

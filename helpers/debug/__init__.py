@@ -2,7 +2,7 @@
 
 * ``recorder``: ``record_collectives()``, a flight recorder of every
   collective and point-to-point call on a rank (``launch(..., record=True)``
-  records a whole rank function and streams it to the caller).
+  records a whole rank function; a failed launch ends with the diff).
 * ``diff``: lines the ranks' records up and names the first disagreement, or
   the rank that never arrived; the straggler from arrival times.
 * ``replica``: checksums of parameters and optimizer state across

@@ -56,7 +56,7 @@ class Finding:
 
 
 def assemble(events: dict[int, list[tuple]]) -> dict[int, list[CallRecord]]:
-    """Per-rank records from the streamed events ("call", rec) / ("end", seq, t)."""
+    """Per-rank records from the recorded events ("call", rec) / ("end", seq, t)."""
     out: dict[int, list[CallRecord]] = {}
     for rank, evs in events.items():
         by_seq: dict[int, CallRecord] = {}

@@ -26,17 +26,18 @@ are replaced by thin wrappers that log, per call, a :class:`CallRecord`:
 
 On exit (also on an error) the original functions are put back.
 
-Inside ``helpers.launch`` every call is also *streamed* to the caller over the
-rank's existing socket as it starts and as it ends, so the record survives the
-rank: a rank that hangs, raises or is killed has already told the caller what
-it was doing. That is why ``launch`` can end a ``RankTimeout`` or
+Inside ``helpers.launch`` every call is also appended, as it starts and as it
+ends, to a file per rank that the caller reads when the launch fails (one
+``write()`` per event, in /dev/shm; it wakes no other process), so the record
+survives the rank: a rank that hangs, raises or is killed has already written
+what it was doing. That is why ``launch`` can end a ``RankTimeout`` or
 ``RankError`` with the cross-rank diff. ``launch(fn, n, record=True)`` records
 the whole of ``fn``.
 
 Cost
 ----
 A Python wrapper, a walk up the stack to find the calling line, and one small
-pickled message per call start and end: tens of microseconds per call,
+pickled record written per call start and end: tens of microseconds per call,
 against milliseconds for a collective of a real model
 (``benchmarks/bench_debug.py`` measures it on a DDP step).
 
@@ -208,7 +209,7 @@ class Recorder:
 
     def __init__(self):
         self.calls: list[CallRecord] = []
-        self._sink = _caller_sink()  # streams to launch's caller, or None
+        self._sink = _caller_sink()  # writes for launch's caller, or None
         self._groups: dict[int, tuple[int, ...]] = {}
 
     def _group_ranks(self, group) -> tuple[int, ...]:
@@ -255,7 +256,7 @@ def _tensor_list(v) -> bool:
 
 
 def _caller_sink() -> Callable[[tuple], None] | None:
-    """Inside a launch's rank: a function that sends a message to the caller."""
+    """Inside a launch's rank: a function that records an event for the caller."""
     from helpers.launch import _caller_channel
     return _caller_channel()
 
