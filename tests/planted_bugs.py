@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from helpers.checks.ch18 import LR, STEPS, batch, n_batches
 from helpers.debug import record_collectives
 
 def healthy_step():
@@ -153,3 +154,39 @@ def ddp_steps(steps: int = 2, local_clip_on: int | None = None, flip_on: int | N
         p = model.module.fc2.weight
         flip_bit(p if flip_what == "param" else opt.state[p]["exp_avg"], index=5)
     return healthy_before_flip, check_replicas(model.module, opt)
+
+
+# -- chapter 18's lab: plausible wrong fixes -------------------------------------------------
+
+def sync_always() -> torch.Tensor:
+    """Fix 1 done wrong: no skip at all, so rank 2's NaN reaches every rank."""
+    world = dist.get_world_size()
+    w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    for step in range(STEPS):
+        x, y = batch(dist.get_rank(), step)
+        if dist.get_rank() == 2 and step == 1:
+            x[0, 0] = float("nan")
+        (x @ w - y).pow(2).mean().backward()
+        dist.all_reduce(w.grad)
+        with torch.no_grad():
+            w -= LR * w.grad / world
+        w.grad = None
+    return w.detach()
+
+
+def pad_with_zero_grads() -> torch.Tensor:
+    """Fix 3 done wrong: every rank runs the longest shard's steps, the short one
+    contributing a zero gradient: no hang, but not the reference's update."""
+    world = dist.get_world_size()
+    w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    for step in range(STEPS):
+        if step < n_batches(dist.get_rank()):
+            x, y = batch(dist.get_rank(), step)
+            (x @ w - y).pow(2).mean().backward()
+        else:
+            w.grad = torch.zeros_like(w)
+        dist.all_reduce(w.grad)
+        with torch.no_grad():
+            w -= LR * w.grad / world
+        w.grad = None
+    return w.detach()
