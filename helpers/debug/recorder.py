@@ -306,14 +306,22 @@ def _wrap_batch(original: Callable) -> Callable:
     return wrapper
 
 
+_WRAPPERS: dict[str, tuple[Callable, Callable]] = {}  # op -> (original, wrapper), built once
+
+
 def _install() -> list[tuple[Any, str, Any]]:
     """Replace the ops in torch.distributed; what to put back. isend and irecv
     are replaced in distributed_c10d as well, since P2POp accepts only the
-    functions found there (and batch_isend_irecv calls them)."""
+    functions found there (and batch_isend_irecv calls them). The wrappers are
+    built once per process (reading a signature costs ~0.1 ms per op), so
+    entering the recorder every step costs only the assignments."""
     saved = []
     for op in OPS:
-        original = getattr(dist, op)
-        wrapper = _wrap_batch(original) if op == "batch_isend_irecv" else _wrap(op, original)
+        current = getattr(dist, op)
+        original, wrapper = _WRAPPERS.get(op, (None, None))
+        if original is not current:  # first use (or torch.distributed was patched by others)
+            wrapper = _wrap_batch(current) if op == "batch_isend_irecv" else _wrap(op, current)
+            _WRAPPERS[op] = (current, wrapper)
         targets = [dist] + ([c10d] if op in ("isend", "irecv") else [])
         for module in targets:
             saved.append((module, op, getattr(module, op)))
