@@ -1140,7 +1140,9 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
 def _rank_status(n: int, results: dict, failures: list) -> dict[int, str]:
     """What became of each rank, in words, for the collective diff."""
     status = {r: "returned from the rank function" for r in results}
-    status.update({r: "was still running at the timeout" for r in range(n) if r not in results})
+    running = "had not finished when the launch was stopped" if failures else \
+        "was still running at the timeout"
+    status.update({r: running for r in range(n) if r not in results})
     for rank, kind, details in failures:
         status[rank] = _describe_exit(details[0]) if kind == "died" else f"raised {details[0]}"
     return status
