@@ -106,11 +106,13 @@ import itertools
 import linecache
 import multiprocessing.connection as mpc
 import os
+import pickle
 import random
 import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -173,6 +175,10 @@ class RankError(RuntimeError):
         self.exc_type = exc_type
         self.rank_traceback = rank_traceback
         self.frames = frames or []
+        # Set when the ranks recorded their collectives (helpers.debug):
+        # rank -> [CallRecord], and the cross-rank diff that ends the message.
+        self.records: dict[int, list] | None = None
+        self.diff: str | None = None
 
     def _render_traceback_(self) -> list[str]:
         """What IPython prints instead of the caller-side traceback (which would
@@ -184,6 +190,8 @@ class RankError(RuntimeError):
             lines += _format_frames(self.frames)
         if self.rank_traceback:
             lines.append(f"(all of rank {self.rank}'s frames: sys.last_value.rank_traceback)")
+        if self.diff and self.rank_traceback:  # (a timeout's summary has it already)
+            lines += ["", self.diff]
         return lines
 
 
@@ -242,6 +250,55 @@ def _cell_name(filename: str, lineno: int) -> str:
 
 
 _RANK_INFO: RankInfo | None = None
+# Inside a rank: the file its collective recorder appends to (see _record_path).
+_RECORD_PATH: str | None = None
+
+
+def _record_path(store_port: int, generation: int, rank: int) -> str:
+    """Where a rank's collective record goes: a file per rank, in memory
+    (/dev/shm) where there is one. Appending costs a write() per call, and
+    unlike a message on the rank's socket it wakes nobody: the caller reads the
+    files only when a launch fails, including when the rank hangs or is killed
+    (what was written before is there). The store's port (held by this caller)
+    and the launch's number make the name unique."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"course-record-{store_port}-{generation}-{rank}")
+
+
+def _caller_channel() -> Callable[[tuple], None] | None:
+    """Inside a launch's rank: a function that appends an event to this rank's
+    record file, for the caller (None outside a launch). Each event is one
+    length-prefixed pickle, written with one write() call."""
+    if _RECORD_PATH is None:
+        return None
+    fd = os.open(_RECORD_PATH, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def append(event: tuple) -> None:
+        data = pickle.dumps(event)
+        os.write(fd, len(data).to_bytes(8, "little") + data)
+    return append
+
+
+def _read_records(store_port: int, generation: int, n: int) -> dict[int, list[tuple]]:
+    """Every rank's recorded events; a frame cut short (a rank killed while
+    writing it) is dropped. (``launch`` removes the files when the ranks are gone.)"""
+    out: dict[int, list[tuple]] = {}
+    for rank in range(n):
+        path = _record_path(store_port, generation, rank)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except OSError:
+            continue
+        events, at = [], 0
+        while at + 8 <= len(blob):
+            size = int.from_bytes(blob[at:at + 8], "little")
+            if at + 8 + size > len(blob):
+                break
+            events.append(pickle.loads(blob[at + 8:at + 8 + size]))
+            at += 8 + size
+        out[rank] = events
+    return out
 
 
 def rank_info() -> RankInfo:
@@ -529,7 +586,8 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, store: Any) -
         import torch.distributed as dist
 
         _become_fresh(spec)
-        global _RANK_INFO
+        global _RANK_INFO, _RECORD_PATH
+        _RECORD_PATH = _record_path(spec.store_port, spec.generation, rank)
         device = "cpu"
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
@@ -599,6 +657,11 @@ def _server_entry() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch  # noqa: F401 - the point of the server: every fork has torch imported
     import torch.distributed  # noqa: F401
+    # Every optimizer's constructor imports torch._dynamo (for its
+    # disable-compile decorator), which imports sympy: 1-2 s of CPU per rank
+    # on a quiet core if each rank did it. It starts no thread, so it is safe
+    # to import once here and fork.
+    import torch._dynamo  # noqa: F401
     import ctypes  # noqa: F401 - each rank uses it (_die_with_server)
     # Work every rank would otherwise repeat: the first seeding imports
     # numpy.random (tens of ms). Nothing here starts a thread or touches CUDA.
@@ -934,7 +997,7 @@ def _get_pool(world_size: int) -> _Pool:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float = 60.0, seed: int = 0, seed_per_rank: bool = False,
-           **kwargs: Any) -> list[Any]:
+           record: bool = False, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return results in rank order.
 
     backend: "auto" (nccl with one GPU per rank if there are enough GPUs, else
@@ -943,9 +1006,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         the rank server on the first launch gets its own allowance). A rank
         still running at the deadline raises ``RankTimeout`` naming it.
     seed / seed_per_rank: every rank is seeded with ``seed`` (or ``seed + rank``).
+    record: run ``fn`` inside ``helpers.debug.record_collectives()``. Either
+        way, if the ranks recorded their collectives and the launch fails, the
+        error ends with the cross-rank diff (``err.diff``, ``err.records``).
     Keyword arguments other than these go to ``fn``.
     """
     _check_args(fn, world_size, timeout)
+    if record:
+        from helpers.debug.recorder import recorded
+        fn = recorded(fn)
     if _under_torchrun():
         return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout,
                                       seed, seed_per_rank)
@@ -961,6 +1030,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     with _POOL_LOCK:
         pool, conns, generation = _start_ranks(world_size, backend, timeout, seed,
                                                seed_per_rank, payload)
+        port = pool.store.port  # (names the launch's record files)
         ended = False  # are all of this launch's ranks gone or going?
         try:
             results = _collect(pool, conns, generation, time.monotonic() + timeout)
@@ -978,6 +1048,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         finally:
             for c in conns:
                 c.close()
+            for r in range(world_size):  # the collective records, if any rank wrote one
+                with contextlib.suppress(OSError):
+                    os.unlink(_record_path(port, generation, r))
             if not ended:  # the server did not answer: replace it
                 _kill_pool()
         return results
@@ -1044,17 +1117,44 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
         if failures and give_up_at is None:
             give_up_at = time.monotonic() + _GRACE
 
-    if failures:
-        _raise_root_cause(failures)
-    if len(results) == n:
+    if not failures and len(results) == n:
         return [results[r] for r in range(n)]
-    unfinished = sorted(set(range(n)) - set(results))
-    done = sorted(results)
-    raise RankTimeout(
-        f"rank(s) {unfinished} did not finish within the timeout"
-        f"{f' (rank(s) {done} did)' if done else ''}. This is usually a deadlock: a "
-        f"collective or send/recv that not every rank called, or called in a different "
-        f"order. All ranks were stopped.", unfinished)
+    try:
+        if failures:
+            _raise_root_cause(failures)
+        unfinished = sorted(set(range(n)) - set(results))
+        done = sorted(results)
+        raise RankTimeout(
+            f"rank(s) {unfinished} did not finish within the timeout"
+            f"{f' (rank(s) {done} did)' if done else ''}. This is usually a deadlock: a "
+            f"collective or send/recv that not every rank called, or called in a different "
+            f"order. All ranks were stopped.", unfinished)
+    except RankError as err:
+        # The ranks still run (they are killed after this): what they wrote so far.
+        recorded = _read_records(pool.store.port, generation, n)
+        if any(recorded.values()):
+            _add_diff(err, recorded, _rank_status(n, results, failures))
+        raise
+
+
+def _rank_status(n: int, results: dict, failures: list) -> dict[int, str]:
+    """What became of each rank, in words, for the collective diff."""
+    status = {r: "returned from the rank function" for r in results}
+    running = "had not finished when the launch was stopped" if failures else \
+        "was still running at the timeout"
+    status.update({r: running for r in range(n) if r not in results})
+    for rank, kind, details in failures:
+        status[rank] = _describe_exit(details[0]) if kind == "died" else f"raised {details[0]}"
+    return status
+
+
+def _add_diff(err: RankError, events: dict[int, list[tuple]], status: dict[int, str]) -> None:
+    """End the error's message with the cross-rank diff of the recorded calls."""
+    from helpers.debug.diff import assemble, explain
+
+    err.records = assemble(events)
+    err.diff = explain(err.records, status)
+    err.args = (f"{err.args[0]}\n\n{err.diff}",) + err.args[1:]
 
 
 _COMM_WORDS = ("connection closed", "connection reset", "timed out", "timeout",

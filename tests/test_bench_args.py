@@ -1,4 +1,4 @@
-"""Benchmarks of chapters 13-16 refuse bad arguments with a message naming the
+"""Benchmarks of chapters 13-18 refuse bad arguments with a message naming the
 flag, before any rank starts or any model is built (chapters 02-04 and 12 test
 theirs beside their mechanisms)."""
 
@@ -30,6 +30,10 @@ CASES = [
     ("bench_parallel3d", ["--tp", "3"], "4 heads do not divide over tensor-parallel size 3"),
     ("bench_parallel3d", ["--pp", "3"], "4 layers do not divide over pipeline size 3"),
     ("bench_parallel3d", ["--batch", "12"], "--batch 12 does not divide over the 8 DDP ranks"),
+    ("bench_debug", ["--size", "huge"], "--size must be one of"),
+    ("bench_debug", ["--steps", "1"], "--steps must be >= 2"),
+    ("bench_debug", ["--ranks", "1"], "--ranks must be >= 2"),
+    ("bench_debug", ["--calls", "0"], "--calls must be >= 1"),
 ]
 
 
