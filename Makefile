@@ -56,7 +56,7 @@ test-browser: setup
 	$(BIN)/python -m pytest tests/test_browser.py -p no:cacheprovider -v -rs
 
 test: setup
-	$(BIN)/python -m pytest tests course solutions -m "not browser" --nbval-lax --nbval-current-env -p no:cacheprovider
+	$(BIN)/python -m pytest tests course solutions -m "not browser" --nbval-lax --nbval-current-env -p no:cacheprovider --durations=40
 
 labs: setup
 	$(BIN)/python tools/nbtool.py labs
