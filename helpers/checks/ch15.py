@@ -158,23 +158,31 @@ def _run_attach(gather, free, attach, steps):
             "after": gathered_after_forward}
 
 
-def check_attach(gather, free, attach) -> None:
-    """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process."""
+
+def _sgd_reference(steps: int):
+    """The toy GPT after `steps` SGD steps (lr 0.1, batches of 4) on one process, in
+    float32 and in float64 (the exact answer, to ~1e-16): what the ranks must match."""
     from helpers.data import make_dataset
     from helpers.model import build_model
 
-    res = on_ranks(_run_attach, 2, gather, free, attach, 2, what="attach",
-                   probe=lambda: attach(nn.Linear(1, 1), None, gather, free), hints=FREED_HINT)
     data = make_dataset(num_sequences=64, seq_len=16)
     ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
-    for s in range(2):
+    for s in range(steps):
         x, y = data.batch(range(s * 4, (s + 1) * 4))
-        for model in (ref, ref64):  # float64: the exact answer, to ~1e-16
+        for model in (ref, ref64):
             model(x, y)[1].backward()
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.1 * p.grad
                     p.grad = None
+    return ref, ref64
+
+
+def check_attach(gather, free, attach) -> None:
+    """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process."""
+    res = on_ranks(_run_attach, 2, gather, free, attach, 2, what="attach",
+                   probe=lambda: attach(nn.Linear(1, 1), None, gather, free), hints=FREED_HINT)
+    ref, ref64 = _sgd_reference(steps=2)
     want64 = dict(ref64.named_parameters())
     for rank, out in enumerate(res):
         if any(out["own"]):
@@ -284,21 +292,9 @@ def check_post_backward(post_backward) -> None:
     """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process; your
     post_backward is called from inside backward, when a unit's last gradient
     has been accumulated."""
-    from helpers.data import make_dataset
-    from helpers.model import build_model
-
     res = on_ranks(_run_post_backward, 2, post_backward, 2, what="post_backward",
                    probe=lambda: post_backward(None, _ref_free), hints=FREED_HINT)
-    data = make_dataset(num_sequences=64, seq_len=16)
-    ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
-    for s in range(2):
-        x, y = data.batch(range(s * 4, (s + 1) * 4))
-        for model in (ref, ref64):  # float64: the exact answer, to ~1e-16
-            model(x, y)[1].backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.1 * p.grad
-                    p.grad = None
+    ref, ref64 = _sgd_reference(steps=2)
     want64 = dict(ref64.named_parameters())
     for rank, out in enumerate(res):
         if out["problems"]:
