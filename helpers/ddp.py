@@ -64,8 +64,10 @@ BucketedDDP once, at construction, on every rank (PowerSGD reads which
 tensors each bucket holds, as DDP's ``GradBucket.gradients()`` tells torch's
 hooks).
 
-How production differs: DDP's reducer is C++; it makes ``.grad`` a view into
-the bucket (no copy back, ``gradient_as_bucket_view``), supports sparse
+How production differs: DDP's reducer is C++; with
+``gradient_as_bucket_view=True`` (off by default) it makes ``.grad`` a view
+into the bucket, which saves the copy back and one gradient's worth of
+memory (by default it copies, as we do); it supports sparse
 gradients, static graphs and mixed devices, and (with NCCL) runs the
 all-reduce on a separate CUDA stream. Two differences change what a reader
 of a trace or a profile sees:
@@ -220,7 +222,7 @@ class BucketedDDP(nn.Module):
                 [p.numel() * p.element_size() for p in self.params],
                 bucket_cap_mb * MB, first_bucket_mb * MB, [p.dtype for p in self.params])]
         self.bucket_of_param: dict[int, int] = {}  # id(param) -> bucket index
-        self._layout: list[list[tuple[nn.Parameter, int, int]]] = []  # (param, start, end)
+        self.layout: list[list[tuple[nn.Parameter, int, int]]] = []  # (param, start, end)
         self._flat: list[torch.Tensor] = []
         for b, bucket in enumerate(self.buckets):
             offset, layout = 0, []
@@ -228,7 +230,7 @@ class BucketedDDP(nn.Module):
                 self.bucket_of_param[id(p)] = b
                 layout.append((p, offset, offset + p.numel()))
                 offset += p.numel()
-            self._layout.append(layout)
+            self.layout.append(layout)
             self._flat.append(torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         if hasattr(self.comm_hook, "bind"):  # a hook that needs the buckets' layout
@@ -337,12 +339,14 @@ class BucketedDDP(nn.Module):
     def launch_ready_buckets(self) -> None:
         """Launch complete buckets in bucket order, stopping at the first incomplete one."""
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
-            self._launch(self.next_bucket)
+            self.launch_bucket(self.next_bucket)
             self.next_bucket += 1
 
-    def _launch(self, b: int) -> None:
+    def launch_bucket(self, b: int) -> None:
+        """Copy bucket ``b``'s gradients into its flat buffer and start its all-reduce
+        (through ``comm_hook``); ``self.futures[b]`` resolves to the averaged buffer."""
         flat = self._flat[b]
-        for p, start, end in self._layout[b]:
+        for p, start, end in self.layout[b]:
             if p.grad is None:  # no gradient on this rank this step: contributes zero
                 self._locally_used[self._index[id(p)]] = False
                 flat[start:end].zero_()
@@ -359,36 +363,41 @@ class BucketedDDP(nn.Module):
 
     def _finalize(self) -> None:
         try:
-            for b in range(self.next_bucket, len(self.buckets)):
-                if self.pending[b] > 0:  # a parameter without gradient held this bucket back
-                    self.record(b, "ready")
-                self.pending[b] = 0
-            self.launch_ready_buckets()
-            used_work = None
-            if self.find_unused_parameters and self.world_size > 1:
-                used = torch.tensor(self._locally_used, dtype=torch.int32,
-                                    device=self._flat[0].device if self._flat else "cpu")
-                used_work = (used, dist.all_reduce(used, group=self.process_group,
-                                                   async_op=True))
-            results = [f.wait() for f in self.futures]
-            if used_work is not None:
-                used_work[1].wait()
-                globally_used = used_work[0].tolist()
-            else:
-                globally_used = self._locally_used if self.find_unused_parameters else None
-            with torch.no_grad():
-                for b, layout in enumerate(self._layout):
-                    avg = results[b]
-                    for p, start, end in layout:
-                        g = avg[start:end].view_as(p)
-                        if p.grad is not None:
-                            p.grad.copy_(g)
-                        elif globally_used is None or globally_used[self._index[id(p)]]:
-                            p.grad = g.clone()
-                        # else: nobody used it -> keep None, as DDP does
+            self.finish_backward()
         finally:
             self._in_backward = False
             self._expect_hooks = False  # the next reduction needs a new forward
+
+    def finish_backward(self) -> None:
+        """End of backward (queued on the autograd engine): launch what is left,
+        wait for every bucket, write the averaged gradients into ``.grad``."""
+        for b in range(self.next_bucket, len(self.buckets)):
+            if self.pending[b] > 0:  # a parameter without gradient held this bucket back
+                self.record(b, "ready")
+            self.pending[b] = 0
+        self.launch_ready_buckets()
+        used_work = None
+        if self.find_unused_parameters and self.world_size > 1:
+            used = torch.tensor(self._locally_used, dtype=torch.int32,
+                                device=self._flat[0].device if self._flat else "cpu")
+            used_work = (used, dist.all_reduce(used, group=self.process_group,
+                                               async_op=True))
+        results = [f.wait() for f in self.futures]
+        if used_work is not None:
+            used_work[1].wait()
+            globally_used = used_work[0].tolist()
+        else:
+            globally_used = self._locally_used if self.find_unused_parameters else None
+        with torch.no_grad():
+            for b, layout in enumerate(self.layout):
+                avg = results[b]
+                for p, start, end in layout:
+                    g = avg[start:end].view_as(p)
+                    if p.grad is not None:
+                        p.grad.copy_(g)
+                    elif globally_used is None or globally_used[self._index[id(p)]]:
+                        p.grad = g.clone()
+                    # else: nobody used it -> keep None, as DDP does
 
     @contextlib.contextmanager
     def no_sync(self):

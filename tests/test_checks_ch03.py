@@ -1,5 +1,8 @@
 """Chapter 03's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,6 +10,11 @@ import torch.distributed as dist
 from helpers.checks import CheckFailed, ch03
 from helpers.collectives import chunk_bounds, ring_all_gather, ring_reduce_scatter
 from tools.nbtool import exercise
+
+# Ship this file's wrong answers to the ranks by value: by reference, every rank would
+# import this module, and with it pytest and nbformat (seconds each on a loaded machine,
+# inside the check's 30 s timeout).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LAB, SOL = "labs/03_all_reduce_ring_lab.ipynb", "solutions/03_all_reduce_ring_solution.ipynb"
 CHECKS = [("reduce_scatter", ch03.check_reduce_scatter), ("all_gather", ch03.check_all_gather),
@@ -61,6 +69,27 @@ def _forgets_to_divide(x):  # the sum, not the mean
     ring_all_gather(x)
 
 
+def _library_average(x):  # the right mean, from the library's collective
+    dist.all_reduce(x)
+    x /= dist.get_world_size()
+
+
+def _whole_tensor_average(x):  # the right mean, passing whole tensors: (p-1) N per rank
+    acc, cur = x.clone(), x.clone()
+    for _ in range(dist.get_world_size() - 1):
+        buf = torch.empty_like(cur)
+        _exchange(cur, buf)
+        acc += buf
+        cur = buf
+    x.copy_(acc / dist.get_world_size())
+
+
+def _batched_average(x):  # the reference ring (batch_isend_irecv inside): bytes counted too
+    from helpers.collectives import ring_all_reduce
+    ring_all_reduce(x)
+    x /= dist.get_world_size()
+
+
 @pytest.mark.slow
 def test_solution_passes_and_mistakes_fail(capsys):
     sol = {name: exercise(SOL, name) for name, _ in CHECKS}
@@ -78,3 +107,8 @@ def test_solution_passes_and_mistakes_fail(capsys):
         ch03.check_all_gather(_gather_one_step)
     with pytest.raises(CheckFailed, match="divide"):
         ch03.check_ring_average(_forgets_to_divide)
+    with pytest.raises(CheckFailed, match="dist.all_reduce is switched off"):
+        ch03.check_ring_average(_library_average)
+    with pytest.raises(CheckFailed, match="more than a ring's"):
+        ch03.check_ring_average(_whole_tensor_average)
+    ch03.check_ring_average(_batched_average)  # posted as one batch: counted the same

@@ -1,10 +1,17 @@
 """Chapter 04's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
+import sys
+
+import cloudpickle
 import pytest
 
 from helpers.checks import CheckFailed, ch04
 from helpers.ddp import BucketedDDP
 from tools.nbtool import exercise
+
+# Ship this file's wrong answers to the ranks by value (by reference, every rank would
+# import this module and with it pytest and nbformat, seconds on a loaded machine).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 LAB, SOL = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
 
@@ -50,7 +57,7 @@ class _LaunchWhenReady(BucketedDDP):
         self.pending[b] -= 1
         if self.pending[b] == 0:
             self.record(b, "ready")
-            self._launch(b)
+            self.launch_bucket(b)
             if b == self.next_bucket:
                 self.next_bucket += 1
                 while self.next_bucket < len(self.buckets) and \
@@ -68,6 +75,24 @@ class _LaunchAtEnd(BucketedDDP):
             self.record(b, "ready")
 
 
+class _NoCopyBack(BucketedDDP):
+    """Waits for every bucket but never writes the averages into .grad: local gradients."""
+
+    def finish_backward(self):
+        self.launch_ready_buckets()
+        for fut in self.futures:
+            fut.wait()
+
+
+class _OneAtATime(BucketedDDP):
+    """Launches at most one bucket per call (an `if` where a `while` belongs)."""
+
+    def launch_ready_buckets(self):
+        if self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self.launch_bucket(self.next_bucket)
+            self.next_bucket += 1
+
+
 def test_hook_stub_fails_without_starting_ranks():
     with pytest.raises(CheckFailed, match="not implemented"):
         ch04.check_grad_ready_hook(exercise(LAB, "MyDDP"))
@@ -81,3 +106,7 @@ def test_hook_solution_passes_and_mistakes_fail(capsys):
         ch04.check_grad_ready_hook(_LaunchWhenReady)
     with pytest.raises(CheckFailed, match="no overlap"):
         ch04.check_grad_ready_hook(_LaunchAtEnd)
+    with pytest.raises(CheckFailed, match="writes its averaged values back"):
+        ch04.check_grad_ready_hook(_NoCopyBack)
+    with pytest.raises(CheckFailed, match="never launched"):
+        ch04.check_grad_ready_hook(_OneAtATime)

@@ -65,3 +65,37 @@ def test_on_ranks_check(capsys):
         ch12.check_one_f_one_b_on_ranks(gpipe)
     ch12.check_one_f_one_b_on_ranks(exercise(SOL, "one_f_one_b"))
     assert "✓" in capsys.readouterr().out
+
+
+def _w_after_b(p, m):
+    """1F1B with every backward cut into B and W, W at once: valid, 1F1B's bubble."""
+    from helpers.pipeline import W, one_f_one_b
+    return [[x for a in row for x in ([a] if a.kind == "F" else [a, W(a.microbatch)])]
+            for row in one_f_one_b(p, m)]
+
+
+def _all_w_last(p, m):
+    """Every W postponed to the end: the smallest bubble, but m micro-batches held."""
+    from helpers.pipeline import W, one_f_one_b
+    return [row + [W(j) for j in range(m)] for row in one_f_one_b(p, m)]
+
+
+def _w_before_b(p, m):
+    from helpers.pipeline import W, one_f_one_b
+    return [[x for a in row for x in ([a] if a.kind == "F" else [W(a.microbatch), a])]
+            for row in one_f_one_b(p, m)]
+
+
+def test_zb_h1_check(capsys):
+    ch12.check_zb_h1(exercise(SOL, "zb_h1"))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch12.check_zb_h1(exercise(LAB, "zb_h1"))
+    with pytest.raises(CheckFailed, match="W runs right after its B"):
+        ch12.check_zb_h1(_w_after_b)
+    with pytest.raises(CheckFailed, match="keeps 1F1B's memory"):
+        ch12.check_zb_h1(_all_w_last)
+    with pytest.raises(CheckFailed, match="comes before its input-gradient backward"):
+        ch12.check_zb_h1(_w_before_b)
+    with pytest.raises(CheckFailed, match="no W actions"):
+        ch12.check_zb_h1(lambda p, m: exercise(SOL, "one_f_one_b")(p, m))

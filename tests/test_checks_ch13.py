@@ -125,3 +125,36 @@ def test_history_not_rolled_fails():
         return hist, torch.as_tensor(fp8_max / hist.max() / 2 ** margin if hist.max() else scale)
     with pytest.raises(CheckFailed, match="history should be"):
         ch13.check_delayed_scale(no_roll)
+
+
+def _one_scale(x):  # per-tensor current scaling: one scale for everything
+    from helpers.precision import E4M3, fp8_scale, quantize
+    s = fp8_scale(x.abs().max(), E4M3)
+    return quantize(x, E4M3, s), s.reshape(1)
+
+
+def _not_power_of_two(x):  # per-block fp8_max/amax: DeepSeek-style, not MX
+    from helpers.precision import E4M3, block_quantize
+    return block_quantize(x, E4M3, (1, 32), power_of_two=False)
+
+
+def _rounded_exponent(x):  # round(log2 amax) instead of floor: half the scale for amax >= 1.41 x 2^k
+    R, C = x.shape
+    b = x.float().reshape(R, C // 32, 32)
+    amax = b.abs().amax(-1)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    s = torch.where(amax > 0, torch.exp2(8 - torch.round(torch.log2(safe))), torch.ones_like(amax))
+    return (b * s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(R, C), s
+
+
+def test_mx_quantize_check(capsys):
+    ch13.check_mx_quantize(exercise(SOL, "mx_quantize"))
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="not implemented"):
+        ch13.check_mx_quantize(exercise(LAB, "mx_quantize"))
+    with pytest.raises(CheckFailed, match="per-tensor scaling"):
+        ch13.check_mx_quantize(_one_scale)
+    with pytest.raises(CheckFailed, match="powers of two"):
+        ch13.check_mx_quantize(_not_power_of_two)
+    with pytest.raises(CheckFailed, match="expected"):
+        ch13.check_mx_quantize(_rounded_exponent)

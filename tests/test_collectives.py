@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from helpers import launch, rank_info
 from helpers.collectives import (IMPLS, bus_bandwidth, check_sweep_args, chunk_bounds,
-                                 fit_alpha_beta, ring_all_gather, ring_all_reduce,
+                                 fit_alpha_beta, halving_doubling_all_reduce,
+                                 halving_doubling_all_reduce_time, ring_all_gather, ring_all_reduce,
                                  ring_all_reduce_time, ring_reduce_scatter, sweep,
                                  tree_all_reduce_time)
 
@@ -54,7 +55,7 @@ def _close(ours, ref, abs_sum, p):
     return bool((err <= p * eps * abs_sum + 1e-300).all())
 
 
-def _compare(group, member_rank, p, seed, sizes=SIZES, dtypes=DTYPES):
+def _compare(group, member_rank, p, seed, sizes=SIZES, dtypes=DTYPES, hd=True):
     """Every size x dtype on ``group``: ring phases vs gloo. Returns the mismatches."""
     bad = []
     g = torch.Generator().manual_seed(seed)  # different data on every rank
@@ -68,6 +69,12 @@ def _compare(group, member_rank, p, seed, sizes=SIZES, dtypes=DTYPES):
             assert ring_all_reduce(ours, group=group) is ours
             if not _close(ours, ref, abs_sum, p):
                 bad.append(("all_reduce", p, n, str(dt)))
+            # halving-doubling: another summation order, the same bound
+            if hd:
+                out = x.clone()
+                assert halving_doubling_all_reduce(out, group=group) is out
+                if not _close(out, ref, abs_sum, p):
+                    bad.append(("halving_doubling", p, n, str(dt)))
             # reduce-scatter leaves the sum in chunk `rank` and returns it
             chunk = ring_reduce_scatter(x.clone(), group=group)
             a, b = chunk_bounds(n, p)[member_rank]
@@ -112,7 +119,7 @@ def _ring_vs_gloo():
     bad = _compare(None, r, 4, 1234 + r)
     old, C.SEGMENT_BYTES = C.SEGMENT_BYTES, 24  # many segments per chunk (pipelined adds)
     try:
-        bad += [("segmented",) + b for b in _compare(None, r, 4, 77 + r)]
+        bad += [("segmented",) + b for b in _compare(None, r, 4, 77 + r, hd=False)]
     finally:
         C.SEGMENT_BYTES = old
     g3 = dist.new_group([0, 1, 2])  # every rank must call new_group, members only use it
@@ -152,7 +159,7 @@ def _ring_vs_gloo():
 
 @pytest.mark.slow
 def test_ring_matches_gloo_on_2_3_4_ranks():
-    results = launch(_ring_vs_gloo, 4)
+    results = launch(_ring_vs_gloo, 4, timeout=120)  # ~10 s alone; room for a loaded machine
     assert [bad for bad, _ in results] == [[]] * 4
     rows = results[0][1]
     assert all(r[1] == rows for r in results)
@@ -295,3 +302,46 @@ def test_bench_collectives_refuses_bad_arguments_before_starting_ranks(
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _hd_messages(n):
+    """Messages and bytes each rank sends in one halving-doubling all-reduce of n floats."""
+    sent = []
+    real = dist.batch_isend_irecv
+
+    def counting(ops):
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops
+                    if op.op is dist.isend)
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        x = torch.full((n,), float(rank_info().rank + 1))
+        halving_doubling_all_reduce(x)
+    finally:
+        dist.batch_isend_irecv = real
+    p = rank_info().world_size
+    return len(sent), sum(sent), bool((x == p * (p + 1) / 2).all())
+
+
+@pytest.mark.slow
+def test_halving_doubling_sends_the_ring_bytes_in_2_log_p_messages():
+    # p = 4: log2 4 = 2 halving + 2 doubling messages; (1/2 + 1/4) * 2 * N bytes = 2(p-1)/p N
+    n = 1000
+    assert launch(_hd_messages, 4, n) == [(4, 2 * 3 / 4 * n * 4, True)] * 4
+    # p = 3: ranks 0 and 1 pair up (0 hands over its whole tensor and gets the sum back),
+    # then 1 and 2 run the power-of-two algorithm at q = 2
+    assert launch(_hd_messages, 3, n) == [(1, n * 4, True), (3, n * 4 + n * 4, True),
+                                         (2, n * 4, True)]
+
+
+def test_halving_doubling_cost_model():
+    # power of two: 2 log2 p alpha + the ring's bandwidth term
+    assert halving_doubling_all_reduce_time(1e6, 8, 1e-5, 1e9) == pytest.approx(
+        6 * 1e-5 + 2 * 7 / 8 * 1e6 / 1e9)
+    assert halving_doubling_all_reduce_time(1e6, 8, 0, 1e9) == pytest.approx(
+        ring_all_reduce_time(1e6, 8, 0, 1e9))
+    # p = 6: q = 4 plus one fold and one unfold of the whole message
+    assert halving_doubling_all_reduce_time(1e6, 6, 1e-5, 1e9) == pytest.approx(
+        4 * 1e-5 + 1.5e-3 + 2 * (1e-5 + 1e-3))
+    assert halving_doubling_all_reduce_time(1e6, 1, 1e-5, 1e9) == 0.0

@@ -471,3 +471,46 @@ def test_partition_under_a_memory_limit():
         [range(0, 1), range(1, 3), range(3, 5), range(5, 8)]
     with pytest.raises(ValueError, match="together"):
         partition(8, 4, layer_memory=[1] * 8)
+
+
+def test_zb_h1_fills_the_drain_with_weight_gradients():
+    """ZB-H1 (Qi et al. 2023, sec. 3.1) with T_F = T_B = T_W = 1: for m >= p the step is
+    3m + (p-1)(T_F + T_B - T_W) units, a bubble of (p-1)/(3m+p-1), a third of 1F1B's idle
+    time; in flight (F done, W not yet) at most p on every rank, 1F1B's rank-0 peak."""
+    from helpers.pipeline import W, zb_h1
+
+    for p in (1, 2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 8, 16):
+            sched = validate_schedule(zb_h1(p, m))
+            sim = simulate(sched, 1.0, 2.0, t_weight=1.0)
+            ref = simulate(one_f_one_b(p, m), 1.0, 2.0)
+            assert sim.peak_stash == [min(p, m)] * p
+            assert sim.bubble_fraction <= ref.bubble_fraction + 1e-12
+            if m >= p:  # exact: small integers in binary floating point
+                assert sim.total_time == 3 * m + (p - 1)
+                assert sim.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-15)
+                assert (p - 1) * 1 == ((ref.total_time - 3 * m) / 3)  # 1F1B idles 3x longer
+            for row in sched:  # every W after its own B
+                for i, a in enumerate(row):
+                    if a.kind == "W":
+                        assert Action("B", a.microbatch) in row[:i]
+    # rank i lags i slots: rank 0 runs W right after B, rank 1 one slot later
+    assert zb_h1(2, 3)[0][:4] == [F(0), F(1), B(0), W(0)]
+    assert zb_h1(2, 3)[1][:4] == [F(0), B(0), F(1), B(1)]
+    assert W(2) == Action("W", 2)
+
+
+def test_weight_gradient_actions_are_checked():
+    from helpers.pipeline import W
+
+    with pytest.raises(ValueError, match="comes before its input-gradient backward B0"):
+        validate_schedule([[F(0), W(0), B(0)]])
+    with pytest.raises(ValueError, match="missing"):  # W for one micro-batch but not the other
+        validate_schedule([[F(0), B(0), W(0), F(1), B(1)]])
+    with pytest.raises(ValueError, match="cannot be larger"):
+        simulate([[F(0), B(0), W(0)]], 1.0, 2.0, t_weight=3.0)
+    # the split keeps the work: one rank, F + B + W = t_forward + t_backward
+    assert simulate([[F(0), B(0), W(0)]], 1.0, 2.0, t_weight=0.5).total_time == 3.0
+    from helpers.pipeline.executor import pipeline_step
+    with pytest.raises(ValueError, match="simulator only"):
+        pipeline_step([], [[F(0), B(0), W(0)]], None, None)

@@ -365,3 +365,80 @@ def test_fp8_recompute_replays_again_with_a_retained_graph():
     loss.backward()                      # a second recompute, the same scales again
     assert torch.equal(model.blocks[0].mlp.c_fc.weight.grad, 2 * first)
     assert model.blocks[0].mlp.c_fc.input_scaling.steps == 1
+
+
+# ---------------------------------------------------------------- block scaling
+
+def test_block_quantize_is_per_block_quantize():
+    """Each block is quantized exactly as the per-tensor quantizer with that block's own
+    scale (the same arithmetic, so equality is exact)."""
+    from helpers.precision import (E4M3, block_dequantize, block_quantize, fp8_scale,
+                                   mx_quantize, quantize, tile_quantize)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, generator=g)
+    x[:, 7] *= 300.0  # an outlier channel
+    for block, p2 in (((1, 32), True), ((1, 128), False), ((2, 64), False)):
+        x8, s = block_quantize(x, E4M3, block, power_of_two=p2)
+        assert s.shape == (4 // block[0], 256 // block[1])
+        for i in range(s.shape[0]):
+            for j in range(s.shape[1]):
+                blk = x[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+                want = quantize(blk, E4M3, s[i, j])
+                got = x8[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+                assert torch.equal(got.float(), want.float())
+                if not p2:
+                    assert s[i, j] == fp8_scale(blk.abs().max(), E4M3)
+        back = block_dequantize(x8, s, block)
+        # E4M3 keeps 3 mantissa bits: a normal value is off by at most 2^-4 of itself
+        # (half a step); values that land in the subnormals by at most half the
+        # smallest subnormal step 2^-9 / 2, divided by their block's scale.
+        # MX's power-of-two scale can put a block's largest values between 448 and 512:
+        # they saturate to exactly 448 / scale (the spec's rule), an error of |x| - 448/scale
+        full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        bound = torch.maximum(torch.maximum(x.abs() * 2 ** -4, 2 ** -10 / full),
+                              x.abs() - 448 / full)
+        assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    _, s = mx_quantize(x)
+    assert torch.equal(s, torch.exp2(torch.round(torch.log2(s))))  # MX scales: powers of two
+    _, s = tile_quantize(torch.randn(256, 256, generator=g), weight=True)
+    assert s.shape == (2, 2)
+
+
+def test_block_scaling_beats_one_scale_on_outliers():
+    from helpers.precision import E4M3, block_dequantize, block_quantize, fp8_round_trip
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=g)
+    x[:, 3] *= 1e5  # one channel 1e5x the others: per tensor, the rest fall to subnormals
+    rest = torch.ones_like(x, dtype=torch.bool)
+    rest[:, :32] = False  # the outlier's own 1x32 blocks share its scale either way
+    err_tensor = ((fp8_round_trip(x) - x)[rest].norm() / x[rest].norm()).item()
+    x8, s = block_quantize(x, E4M3, (1, 32), power_of_two=True)
+    err_block = ((block_dequantize(x8, s, (1, 32)) - x)[rest].norm() / x[rest].norm()).item()
+    assert err_block < err_tensor / 4  # ~3% (E4M3 rounding, MX saturation) against ~30%
+    with pytest.raises(ValueError, match="does not divide into 1x32 blocks"):
+        block_quantize(torch.zeros(2, 33))
+    assert torch.equal(block_quantize(torch.zeros(1, 32))[1], torch.ones(1, 1))
+
+
+def _amax_on_ranks():
+    from helpers import rank_info
+    from helpers.precision import E4M3, all_reduce_amax, fp8_scale
+
+    r = rank_info().rank
+    x = torch.randn(100, generator=torch.Generator().manual_seed(r)) * (r + 1)
+    local = x.abs().max()
+    amax = all_reduce_amax(local.clone())
+    return local.item(), amax.item(), fp8_scale(amax, E4M3).item()
+
+
+@pytest.mark.slow
+def test_amax_all_reduce_gives_every_rank_one_scale():
+    from helpers import launch
+
+    out = launch(_amax_on_ranks, 3)
+    locals_ = [o[0] for o in out]
+    assert len(set(locals_)) == 3                       # the ranks saw different data
+    assert all(o[1] == max(locals_) for o in out)       # MAX is exact
+    assert len({o[2] for o in out}) == 1                # one scale everywhere

@@ -11,6 +11,12 @@ into p chunks by ``chunk_bounds(numel, p)``.
 
 The checks run on 3 ranks with sizes that do not divide by 3 (and one smaller
 than 3), with different data on each rank, against gloo's own collectives.
+They test the mechanism as well as the result: inside the ranks every byte
+sent point-to-point (``dist.send``/``isend``, also inside
+``batch_isend_irecv``) is counted and must total what a ring sends, (p-1)·N
+elements over all ranks per phase, and the collectives themselves
+(``dist.all_reduce`` and friends) are switched off, so a result that came
+from them fails.
 """
 
 from __future__ import annotations
@@ -28,6 +34,53 @@ def _inputs(rank: int, n: int) -> torch.Tensor:
     return torch.randint(-50, 50, (n,), generator=g).double()  # small ints: sums are exact
 
 
+# The collectives a learner might reach for instead of building the ring.
+REFUSED = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+           "all_gather_into_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single")
+
+
+def _instrumented(fn, t) -> int:
+    """Run ``fn(t)`` with point-to-point sends counted and collectives refused; bytes sent.
+
+    ``torch.distributed.isend`` is patched in ``distributed_c10d`` as well, because
+    ``P2POp`` checks its op against that module's own names and ``batch_isend_irecv``
+    calls the op it holds; so each send is counted once whichever way it was posted.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    sent = [0]
+    saved = {}
+
+    def counting(real):
+        def send(tensor, *args, **kwargs):
+            sent[0] += tensor.numel() * tensor.element_size()
+            return real(tensor, *args, **kwargs)
+        return send
+
+    def refuse(name):
+        def collective(*args, **kwargs):
+            raise RuntimeError(f"dist.{name} is switched off in this check: build the "
+                               f"collective from point-to-point messages (isend/irecv)")
+        return collective
+
+    for name in ("send", "isend"):
+        saved[name] = getattr(c10d, name)
+        setattr(c10d, name, counting(saved[name]))
+        setattr(dist, name, getattr(c10d, name))
+    for name in REFUSED:
+        saved[name] = getattr(dist, name)
+        setattr(dist, name, refuse(name))
+    try:
+        fn(t)
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+            if name in ("send", "isend"):
+                setattr(c10d, name, real)
+    return sent[0]
+
+
 def _run(fn, phase):
     import torch.distributed as dist
 
@@ -35,20 +88,19 @@ def _run(fn, phase):
     from helpers.collectives import chunk_bounds
 
     r, p = rank_info().rank, rank_info().world_size
-    out = []
+    out, sent = [], []
     for n in SIZES:
         x = _inputs(r, n)
         a, b = chunk_bounds(n, p)[r]
         if phase == "all_gather":
             t = torch.full((n,), float("nan"), dtype=torch.float64)
             t[a:b] = x[a:b]  # only my chunk is known; the rest is garbage
-            fn(t)
         else:
             t = x.clone()
-            fn(t)
+        sent.append(_instrumented(fn, t))
         out.append(t)
     dist.barrier()
-    return out
+    return out, sent
 
 
 def _expected(n: int, phase: str) -> torch.Tensor:
@@ -72,7 +124,7 @@ def _check(fn, phase: str, label: str) -> None:
         raise CheckFailed(f"{label} should be a function, got {fn!r}")
     results = on_ranks(_run, WORLD, fn, phase, what=label, timeout=30,
                        probe=lambda: fn(torch.zeros(4, dtype=torch.float64)))
-    for rank, outs in enumerate(results):
+    for rank, (outs, _) in enumerate(results):
         for n, got in zip(SIZES, outs):
             want = _expected(n, phase)
             a, b = chunk_bounds(n, WORLD)[rank]
@@ -98,6 +150,22 @@ def _check(fn, phase: str, label: str) -> None:
                 hint = " Some chunks never arrived (still NaN): p-1 steps, each forwarding a chunk."
             raise CheckFailed(f"{label}: rank {rank}, tensor of {n} elements: got "
                               f"{got.tolist()[:6]}..., expected {want.tolist()[:6]}...{hint}")
+    # The mechanism: a ring phase moves every chunk p-1 hops, one hop = one send of
+    # that chunk, so over all ranks it sends (p-1) N elements; the all-reduce twice that.
+    phases = 2 if phase == "ring_average" else 1
+    for i, n in enumerate(SIZES):
+        total = sum(sent[i] for _, sent in results)
+        want = phases * (WORLD - 1) * n * 8  # float64 elements
+        if total != want:
+            more = "more" if total > want else "fewer"
+            raise CheckFailed(
+                f"{label}: for a tensor of {n} elements the {WORLD} ranks sent {total} bytes "
+                f"point-to-point in total, {more} than a ring's {want} "
+                f"({phases} x (p-1) x N x 8 bytes). "
+                + ("Send one chunk per step, not the whole tensor: each rank's link should "
+                   "carry about 2(p-1)/p of the tensor, not (p-1) times it."
+                   if total > want else
+                   "Every chunk must travel p-1 hops, each a send of that chunk."))
 
 
 def check_reduce_scatter(reduce_scatter) -> None:

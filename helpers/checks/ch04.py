@@ -3,8 +3,15 @@
 * ``assign_buckets(sizes_bytes, cap_bytes, first_cap_bytes) -> list[list[int]]``:
   parameter sizes in registration order; buckets of parameter indices in the
   order they become ready (see ``helpers.ddp.assign_buckets``, one dtype).
-* ``class MyDDP(BucketedDDP)`` overriding ``on_grad_ready(self, param)``: count
-  the parameter's gradient in its bucket, and launch ready buckets in order.
+* ``class MyDDP(BucketedDDP)`` overriding the reducer's three steps:
+  ``on_grad_ready(self, param)`` counts the parameter's gradient in its bucket;
+  ``launch_ready_buckets(self)`` launches complete buckets strictly in bucket
+  order (``self.launch_bucket(b)``, advancing ``self.next_bucket``);
+  ``finish_backward(self)`` waits for every bucket's future and writes the
+  averaged values into each ``p.grad``.
+  The check tests the mechanism through the timeline the base class records
+  (buckets launched in order, the first before backward is over) and the
+  result against one process.
 """
 
 from __future__ import annotations
@@ -111,8 +118,11 @@ def check_grad_ready_hook(cls) -> None:
 
     if not (isinstance(cls, type) and issubclass(cls, BucketedDDP)):
         raise CheckFailed(f"pass your BucketedDDP subclass (the class itself), got {cls!r}")
-    results = on_ranks(_run_hook, 2, cls, what=f"{cls.__name__}.on_grad_ready",
-                       probe=lambda: _probe(cls))
+    results = on_ranks(_run_hook, 2, cls, what=f"{cls.__name__}", probe=lambda: _probe(cls),
+                       hints={"NoneType": "a bucket's future is None: it was never launched. "
+                                          "launch_ready_buckets must keep launching while the "
+                                          "next bucket is complete, and finish_backward must "
+                                          "launch what is left before waiting."})
     ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
     x, y = make_dataset(seq_len=16, num_sequences=16).batch(range(4))
     ref(x, y)[1].backward()
@@ -122,7 +132,10 @@ def check_grad_ready_hook(cls) -> None:
             # another fp32 summation order than one process: as close to
             # float64 as the fp32 reference is (helpers.tolerance)
             if not within_fp32_noise(g, p.grad, p64.grad)[0]:
-                raise CheckFailed(f"rank {rank}: {name}.grad is not the global-batch gradient")
+                raise CheckFailed(
+                    f"rank {rank}: {name}.grad is not the global-batch gradient. After "
+                    f"backward every .grad must hold the average over ranks: finish_backward "
+                    f"waits for each bucket's future and writes its averaged values back.")
         for key, nb in (("timeline", "n_buckets"), ("timeline2", "n_buckets2")):
             tl, n = out[key], out[nb]
             launched = [e["bucket"] for e in tl if e["event"] == "launched"]
@@ -130,8 +143,8 @@ def check_grad_ready_hook(cls) -> None:
                 raise CheckFailed(
                     f"rank {rank}: buckets were launched in the order {launched}, expected "
                     f"{list(range(n))}. Collectives must be issued in the same order on every "
-                    f"rank: launch bucket b only after buckets 0..b-1 (use "
-                    f"self.launch_ready_buckets()).")
+                    f"rank: launch bucket b only after buckets 0..b-1, and keep going while "
+                    f"the next one is complete.")
         tl = out["timeline"]
         t = {(e["bucket"], e["event"]): e["t"] for e in tl}
         n = out["n_buckets"]

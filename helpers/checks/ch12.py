@@ -1,4 +1,4 @@
-"""Checks for chapter 12: the bubble formula and the 1F1B schedule generator."""
+"""Checks for chapter 12: the bubble formula, the 1F1B schedule generator, ZB-H1."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
 from helpers.tolerance import within_fp32_noise
-from helpers.pipeline import (ScheduleDeadlock, format_schedule, interleaved_1f1b, one_f_one_b,
-                              simulate, validate_schedule)
+from helpers.pipeline import (Action, ScheduleDeadlock, format_schedule, interleaved_1f1b,
+                              one_f_one_b, simulate, validate_schedule)
 
 
 def check_bubble_fraction(bubble_fraction) -> None:
@@ -132,3 +132,53 @@ def check_one_f_one_b_on_ranks(one_f_one_b_fn) -> None:
                           f"1F1B needs (GPipe order?)")
     passed(f"2 real ranks, m = {m}: loss {loss:.4f} and gradients equal the unsplit model; "
            f"measured stash {shown} = 1F1B's")
+
+
+ZB_GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 6, 8, 12)]
+
+
+def check_zb_h1(zb_h1_fn) -> None:
+    """``zb_h1(p, m)``: per-rank lists of F(j), B(j) (input gradient) and W(j) (weight
+    gradient). Verified by the simulator with T_F = T_B = T_W (Qi et al. 2023, sec. 3.1):
+    a valid, deadlock-free schedule, at most p micro-batches in flight on any rank
+    (1F1B's peak, held from F to W), and a bubble no larger than ZB-H1's."""
+    from helpers.pipeline import zb_h1 as reference
+
+    for p, m in ZB_GRID:
+        got = attempt(zb_h1_fn, p, m, what="zb_h1")
+        try:
+            sched = validate_schedule(got, num_microbatches=m, num_chunks=1)
+        except ScheduleDeadlock as exc:
+            raise CheckFailed(f"zb_h1({p}, {m}) can never finish: {exc}") from None
+        except ValueError as exc:
+            raise CheckFailed(f"zb_h1({p}, {m}) is not a valid schedule: {exc}") from None
+        if len(sched) != p:
+            raise CheckFailed(f"zb_h1({p}, {m}) has {len(sched)} rank(s), expected {p}")
+        if p > 1 and not any(a.kind == "W" for row in sched for a in row):
+            raise CheckFailed(f"zb_h1({p}, {m}) has no W actions: split each backward into "
+                              f"B (input gradient) and W (weight gradient)")
+        # T_F = T_B = T_W = 1: t_backward = 2 split into B = 1 and W = 1
+        sim = simulate(sched, 1.0, 2.0, t_weight=1.0)
+        want = simulate(reference(p, m), 1.0, 2.0, t_weight=1.0)
+        limit = min(p, m)
+        if max(sim.peak_stash) > limit:
+            raise CheckFailed(
+                f"zb_h1({p}, {m}) holds up to {sim.peak_stash} micro-batches per rank (from F "
+                f"to W); ZB-H1 keeps 1F1B's memory, at most {limit} on any rank. Postponing "
+                f"W's costs memory: hold back only as many as the rank's 1F1B headroom "
+                f"allows. Your schedule:\n{format_schedule(sched)}")
+        if sim.bubble_fraction > want.bubble_fraction + 1e-9:  # exact arithmetic on small ints
+            one_f_one_b_like = all(
+                row[i + 1] == Action("W", a.microbatch, a.chunk)
+                for row in sched for i, a in enumerate(row) if a.kind == "B")
+            hint = (" Every W runs right after its B: that is 1F1B with the backward cut in "
+                    "two, the same bubble. Let rank i's W's lag behind its B's, so that the "
+                    "postponed ones fill the idle slots of the drain."
+                    if one_f_one_b_like else "")
+            raise CheckFailed(
+                f"zb_h1({p}, {m}): the simulator measures a bubble of "
+                f"{sim.bubble_fraction:.4f} (step {sim.total_time:g} units), ZB-H1 reaches "
+                f"{want.bubble_fraction:.4f} (step {want.total_time:g}).{hint}\n"
+                f"{format_schedule(sched)}")
+    passed(f"zero-bubble schedule right for {len(ZB_GRID)} (p, m) pairs: memory within "
+           f"1F1B's p, bubble (p-1)/(3m+p-1) for m >= p (T_F = T_B = T_W)")

@@ -88,3 +88,49 @@ def check_delayed_scale(learner_fn) -> None:
                                   f"history {hist_ref.tolist()}): scale should be "
                                   f"{scale_ref.item():g}, got {scale.item():g}")
     passed("delayed scaling: history roll, max over history, margin, zero amax keeps the scale")
+
+
+def check_mx_quantize(mx_quantize_fn) -> None:
+    """``mx_quantize(x) -> (x8, scales)``: MXFP8, 1x32 blocks along the last dimension,
+    one power-of-two scale per block (OCP MX v1.0), compared exactly with the reference
+    ``helpers.precision.mx_quantize`` (the same arithmetic gives the same bits)."""
+    from helpers.precision import mx_quantize as reference
+
+    g = torch.Generator().manual_seed(13)
+    cases = [torch.randn(4, 64, generator=g), torch.randn(2, 96, generator=g) * 1e-3,
+             torch.zeros(1, 32)]
+    outlier = torch.randn(3, 128, generator=g)
+    outlier[:, 5] *= 1e4
+    cases.append(outlier)
+    # a block whose amax is 1.9 x 2^k: the exponent is floor(log2 amax) (rounding it would
+    # halve the scale), and 1.9 x 256 = 486 after scaling lies above E4M3's 448: saturate
+    top = torch.ones(1, 32)
+    top[0, 0] = 1.9
+    cases.append(top)
+    for x in cases:
+        want8, want_s = reference(x)
+        got = attempt(mx_quantize_fn, x.clone(), what="mx_quantize")
+        try:
+            got8, got_s = got
+            got_s = torch.as_tensor(got_s, dtype=torch.float32)
+        except (TypeError, ValueError):
+            raise CheckFailed(f"mx_quantize should return (x8, scales), got {got!r}") from None
+        if tuple(got_s.shape) != tuple(want_s.shape):
+            hint = (" One scale for the whole tensor is per-tensor scaling: MX gives every "
+                    "32 consecutive values of a row their own scale."
+                    if got_s.numel() == 1 else "")
+            raise CheckFailed(f"scales of shape {tuple(got_s.shape)} for x of shape "
+                              f"{tuple(x.shape)}; expected {tuple(want_s.shape)}, one per 1x32 "
+                              f"block.{hint}")
+        if not torch.equal(got_s, want_s):
+            p2 = bool((got_s > 0).all()) and torch.equal(got_s, torch.exp2(torch.round(torch.log2(got_s))))
+            hint = ("" if p2 else " MX scales are powers of two (an 8-bit exponent, E8M0): "
+                    "round the exponent of the block's amax down, not the scale itself.")
+            raise CheckFailed(f"scales {got_s.flatten()[:4].tolist()}..., expected "
+                              f"{want_s.flatten()[:4].tolist()}...{hint}")
+        if got8.dtype != want8.dtype or not torch.equal(got8.float().nan_to_num(1e9),
+                                                        want8.float()):
+            raise CheckFailed("the scales are right but the FP8 values are not: multiply each "
+                              "block by its scale, saturate to the format's range, then cast")
+    passed(f"MXFP8 block quantization equals the reference bit for bit on {len(cases)} tensors "
+           f"(outliers, tiny values, zeros, a block that saturates)")

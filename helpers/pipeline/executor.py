@@ -200,6 +200,9 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     Gradients are accumulated into the chunks' ``.grad`` (zero them before).
     """
     sched = validate_schedule(schedule)  # ValueError / ScheduleDeadlock before any message
+    if any(a.kind == "W" for row in sched for a in row):
+        raise ValueError("this executor runs F/B schedules; a zero-bubble schedule (W actions) "
+                         "runs on the simulator only (simulate)")
     p, m, v = schedule_shape(sched)
     if group is not None:
         if not dist.is_initialized():

@@ -56,21 +56,29 @@ generate action lists (the latter calls them "pipeline_order") and add
 actions for the communication itself (send/recv) so they can be overlapped
 and batched. Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline
 Parallelism") split B into input-gradient and weight-gradient actions and use
-the weight-gradient work, which nobody waits for, to fill the bubble; they are
-the frontier this chapter points to but does not implement.
+the weight-gradient work, which nobody waits for, to fill the bubble. Here a
+schedule may contain a third kind of action, "W": then "B" stands for the
+input-gradient half only (what the previous stage waits for) and "W(j)" for
+the weight-gradient half, run later on the same rank. ``zb_h1`` is Qi et al.'s
+ZB-H1 (sec. 3.1): 1F1B's order with each rank i holding back its W's by i
+slots, so the drain's idle time is filled with weight gradients while the peak
+of micro-batches in flight (F done, W not yet) stays at 1F1B's p. The
+simulator plays it; the executor runs F/B schedules only.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-__all__ = ["Action", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b", "microbatch_rounds",
+__all__ = ["Action", "F", "B", "W", "gpipe", "one_f_one_b", "zb_h1", "interleaved_1f1b",
+           "microbatch_rounds",
            "normalize", "schedule_shape", "format_schedule"]
 
 
 class Action(NamedTuple):
     """One unit of work on one rank: forward "F" or backward "B" of a micro-batch
-    on one of the rank's model chunks (chunk 0 unless the schedule interleaves)."""
+    on one of the rank's model chunks (chunk 0 unless the schedule interleaves);
+    in a zero-bubble schedule also "W", the weight-gradient half of a backward."""
 
     kind: str
     microbatch: int
@@ -87,6 +95,10 @@ def F(j: int, chunk: int = 0) -> Action:
 
 def B(j: int, chunk: int = 0) -> Action:
     return Action("B", j, chunk)
+
+
+def W(j: int, chunk: int = 0) -> Action:
+    return Action("W", j, chunk)
 
 
 def _check_counts(num_stages: int, num_microbatches: int) -> None:
@@ -118,6 +130,36 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
         for k in range(m - warmup):                             # steady: F(k+w), B(k)
             actions += [F(k + warmup), B(k)]
         actions += [B(j) for j in range(m - warmup, m)]         # drain
+        schedule.append(actions)
+    return schedule
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1, fig. 3).
+
+    1F1B's F/B order, with each backward split into B (input gradient, sent
+    upstream at once) and W (weight gradient). Rank i issues W(k - i) after
+    B(k): its W's lag i slots behind, and the lagging W's run in the drain,
+    where 1F1B would idle waiting for gradients from downstream. Micro-batches
+    in flight on rank i (F done, W not yet) peak at (p - i - 1) + 1 + i = p,
+    1F1B's peak on rank 0. With T_F = T_B = T_W the bubble per rank falls
+    from (p-1)(T_F + T_B + T_W) to (p-1)(T_F + T_B - T_W), a third.
+    """
+    _check_counts(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    schedule = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        actions = [F(j) for j in range(warmup)]
+        issued = 0  # W's issued so far, in micro-batch order
+        for k in range(m):
+            if k + warmup < m:
+                actions.append(F(k + warmup))
+            actions.append(B(k))
+            if k - r >= 0:                  # lag of r slots on rank r
+                actions.append(W(k - r))
+                issued += 1
+        actions += [W(j) for j in range(issued, m)]  # the lagging W's fill the drain
         schedule.append(actions)
     return schedule
 
@@ -198,8 +240,9 @@ def normalize(schedule: Sequence[Sequence]) -> list[list[Action]]:
             except TypeError:
                 raise ValueError(f"rank {r}: {a!r} is not an action (kind, microbatch[, chunk])") \
                     from None
-            if act.kind not in ("F", "B"):
-                raise ValueError(f"rank {r}: action kind must be 'F' or 'B', got {act.kind!r}")
+            if act.kind not in ("F", "B", "W"):
+                raise ValueError(f"rank {r}: action kind must be 'F', 'B' or 'W', "
+                                 f"got {act.kind!r}")
             if not isinstance(act.microbatch, int) or not isinstance(act.chunk, int) \
                     or act.microbatch < 0 or act.chunk < 0:
                 raise ValueError(f"rank {r}: micro-batch and chunk must be ints >= 0 in {act!r}")

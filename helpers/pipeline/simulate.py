@@ -7,7 +7,12 @@ soon as its rank is free *and* its inputs exist:
 * ``F(j)`` on virtual stage s waits for ``F(j)`` on stage s-1 (its input
   activation), plus ``t_comm`` if that stage lives on another rank;
 * ``B(j)`` on stage s waits for ``B(j)`` on stage s+1 (the gradient of its
-  output), plus ``t_comm``, and for its own ``F(j)``.
+  output), plus ``t_comm``, and for its own ``F(j)``;
+* ``W(j)`` (zero-bubble schedules only: the weight-gradient half of a
+  backward) waits for its own ``B(j)`` on the same rank; nobody waits for it.
+  In a schedule with W actions, ``t_backward`` is split: W takes
+  ``t_weight`` (default half of it), B the rest, so the work per
+  micro-batch is the same as without the split.
 
 Virtual stage of chunk c on rank r: ``s = c * p + r`` (Megatron-LM's
 interleaving). Times are per micro-batch for a rank's *whole* share of the
@@ -19,7 +24,8 @@ split, chapter 11).
 What comes back (``Simulation``): per-rank busy intervals, the makespan, the
 bubble fraction ``idle / (p * makespan)``, and the peak number of stashed
 activations per rank (a micro-batch's activations on a chunk are stashed from
-its F until its B). With t_b = 2 t_f and balanced stages this reproduces the
+its F until its B, or until its W when the schedule splits the backward: the
+weight gradient needs the layer inputs). With t_b = 2 t_f and balanced stages this reproduces the
 closed forms (Narayanan et al. 2021, SC21, sec. 2.2): bubble
 ``(p-1)/(m+p-1)`` for GPipe and 1F1B and ``(p-1)/(v*m+p-1)`` interleaved.
 
@@ -77,15 +83,15 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
 
 def validate_schedule(schedule: Sequence[Sequence], num_microbatches: int | None = None,
                       num_chunks: int | None = None) -> list[list[Action]]:
-    """Every (micro-batch, chunk) gets exactly one F and one B on every rank,
-    B after F on the same rank;
+    """Every (micro-batch, chunk) gets exactly one F and one B on every rank (and
+    one W if the schedule has any), B after F and W after B on the same rank;
     then the dependencies must be satisfiable (no deadlock). Returns the
     normalized schedule; raises ValueError (or ScheduleDeadlock) saying why not."""
     sched = normalize(schedule)
     p, m_seen, v_seen = schedule_shape(sched)
     m = m_seen if num_microbatches is None else num_microbatches
     v = v_seen if num_chunks is None else num_chunks
-    kinds = ("F", "B")
+    kinds = ("F", "B", "W") if any(a.kind == "W" for row in sched for a in row) else ("F", "B")
     want = sorted(Action(k, j, c) for k in kinds for j in range(m) for c in range(v))
     for r, row in enumerate(sched):
         got = sorted(row)
@@ -101,11 +107,13 @@ def validate_schedule(schedule: Sequence[Sequence], num_microbatches: int | None
                              + "; ".join(x for x in parts if x))
         seen = set()
         for a in row:
-            if a.kind == "B" and Action("F", a.microbatch, a.chunk) not in seen:
-                raise ValueError(f"rank {r}: {a!r} comes before its forward "
-                                 f"F{a.microbatch}{'.' + str(a.chunk) if a.chunk else ''}")
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before and Action(before, a.microbatch, a.chunk) not in seen:
+                what = "forward" if before == "F" else "input-gradient backward"
+                raise ValueError(f"rank {r}: {a!r} comes before its {what} "
+                                 f"{Action(before, a.microbatch, a.chunk)!r}")
             seen.add(a)
-    _play(sched, [1.0] * p, [2.0] * p, 0.0)  # raises ScheduleDeadlock
+    _play(sched, [1.0] * p, [2.0] * p, [1.0] * p, 0.0)  # raises ScheduleDeadlock
     return sched
 
 
@@ -118,6 +126,8 @@ def _deps(a: Action, rank: int, p: int, v: int) -> list[tuple[int, Action]]:
             return []
         prev = s - 1
         return [(prev % p, Action("F", a.microbatch, prev // p))]
+    if a.kind == "W":
+        return [(rank, Action("B", a.microbatch, a.chunk))]
     deps = [(rank, Action("F", a.microbatch, a.chunk))]
     if s < S - 1:
         nxt = s + 1
@@ -125,8 +135,13 @@ def _deps(a: Action, rank: int, p: int, v: int) -> list[tuple[int, Action]]:
     return deps
 
 
-def _play(sched: list[list[Action]], tf: list[float], tb: list[float], t_comm: float) -> tuple[list[list[tuple[float, float, Action]]], list[int]]:
+def _play(sched: list[list[Action]], tf: list[float], tb: list[float], tw: list[float],
+          t_comm: float) -> tuple[list[list[tuple[float, float, Action]]], list[int]]:
+    """tb: the whole backward; tw: its W part, used only if the schedule has W actions."""
     p, _, v = schedule_shape(sched)
+    split = any(a.kind == "W" for row in sched for a in row)
+    # per rank and kind, the time of one micro-batch through the rank's whole share
+    cost = [{"F": tf[r], "B": tb[r] - (tw[r] if split else 0.0), "W": tw[r]} for r in range(p)]
     done: dict[tuple[int, Action], float] = {}   # (rank, action) -> end time
     free = [0.0] * p                              # when each rank is next idle
     pos = [0] * p                                 # next action index per rank
@@ -141,7 +156,7 @@ def _play(sched: list[list[Action]], tf: list[float], tb: list[float], t_comm: f
                     break
                 start = max([free[r]] + [done[(dr, da)] + (t_comm if dr != r else 0.0)
                                          for dr, da in deps])
-                dur = (tf[r] if a.kind == "F" else tb[r]) / v  # a chunk is 1/v of the rank
+                dur = cost[r][a.kind] / v  # a chunk is 1/v of the rank
                 done[(r, a)] = free[r] = start + dur
                 intervals[r].append((start, start + dur, a))
                 pos[r] += 1
@@ -159,12 +174,14 @@ def _play(sched: list[list[Action]], tf: list[float], tb: list[float], t_comm: f
 
 def peak_stash(schedule: Sequence[Sequence]) -> list[int]:
     """Per rank, the most (micro-batch, chunk) activations held at once: +1 at
-    each F, -1 at each B."""
+    each F, -1 at each B (at each W instead, if the schedule splits the backward)."""
+    sched = normalize(schedule)
+    freed_by = "W" if any(a.kind == "W" for row in sched for a in row) else "B"
     peaks = []
-    for row in normalize(schedule):
+    for row in sched:
         held = peak = 0
         for a in row:
-            held += 1 if a.kind == "F" else -1
+            held += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -183,34 +200,41 @@ def _per_rank(value, p: int, name: str) -> list[float]:
 
 
 def simulate(schedule: Sequence[Sequence], t_forward=1.0, t_backward=2.0,
-             t_comm: float = 0.0) -> Simulation:
+             t_comm: float = 0.0, t_weight=None) -> Simulation:
     """Timeline of ``schedule`` given per-micro-batch forward/backward times.
 
     t_forward, t_backward: time for one micro-batch through one rank's whole
         share of the layers (a number, or a list with one entry per rank).
     t_comm: latency added to every message between two different ranks.
+    t_weight: the W part of t_backward in a schedule with W actions (default
+        t_backward / 2: Qi et al. 2023 take T_B = T_W, sec. 2).
     """
     sched = validate_schedule(schedule)
     p = len(sched)
     tf = _per_rank(t_forward, p, "t_forward")
     tb = _per_rank(t_backward, p, "t_backward")
+    tw = [x / 2 for x in tb] if t_weight is None else _per_rank(t_weight, p, "t_weight")
+    if any(w > b for w, b in zip(tw, tb)):
+        raise ValueError(f"t_weight ({t_weight}) is part of t_backward ({t_backward}): "
+                         f"it cannot be larger")
     if t_comm < 0:
         raise ValueError(f"t_comm must be >= 0, got {t_comm}")
-    intervals, stash = _play(sched, tf, tb, float(t_comm))
+    intervals, stash = _play(sched, tf, tb, tw, float(t_comm))
     total = max(e for row in intervals for _, e, _ in row)
     busy = sum(e - s for row in intervals for s, e, _ in row)
     bubble = 1.0 - busy / (p * total) if total > 0 else 0.0
     return Simulation(intervals, total, bubble, stash)
 
 
-_COLORS = {"F": "#4C72B0", "B": "#DD8452"}
+_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
 def gantt(intervals, ax=None, title: str = "", num_chunks: int | None = None):
     """Draw per-rank intervals [(start, end, action), ...] as a Gantt chart.
 
     Works for ``Simulation.intervals`` and for the executor's measured timeline.
-    Forward blue, backward orange; a later chunk is drawn lighter."""
+    Forward blue, backward orange (weight gradient green); a later chunk is drawn
+    lighter and labelled with its chunk (``F3.1``)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -222,7 +246,7 @@ def gantt(intervals, ax=None, title: str = "", num_chunks: int | None = None):
             ax.barh(r, e - s, left=s, height=0.8, color=_COLORS[a.kind], alpha=alpha,
                     edgecolor="white", linewidth=0.5)
             if len(row) <= 48:
-                ax.text((s + e) / 2, r, f"{a.kind}{a.microbatch}", ha="center", va="center",
+                ax.text((s + e) / 2, r, repr(a), ha="center", va="center",
                         fontsize=7, color="white")
     ax.set_yticks(range(len(intervals)), [f"rank {r}" for r in range(len(intervals))])
     ax.invert_yaxis()
