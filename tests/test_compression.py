@@ -254,12 +254,12 @@ def _against_torch_hooks():
     name = {id(p): n for n, p in theirs.named_parameters()}
     slot = {n: i for i, (n, _) in enumerate(
         sorted(((n, p) for n, p in mine.named_parameters()),
-               key=lambda np_: [id(q) for q, _, _ in ours._layout[0]].index(id(np_[1]))))}
+               key=lambda np_: [id(q) for q, _, _ in ours.layout[0]].index(id(np_[1]))))}
     key = (ours._flat[0].data_ptr(), ours._flat[0].numel())
     for step in range(5):
         if step >= 3:
             _hand_state_over(state, h, key, [name[i] for i in order], dict(theirs.named_parameters()),
-                             slot, ours._layout[0], R)
+                             slot, ours.layout[0], R)
         for m in (ddp, ours):
             m.zero_grad(set_to_none=True)
             m(x, x)[1].backward()
