@@ -104,6 +104,7 @@ import datetime
 import io
 import itertools
 import linecache
+import marshal
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -116,6 +117,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from typing import Any, Callable
 
 import cloudpickle
@@ -439,7 +441,44 @@ class _LaunchSpec:
     environ: dict[str, str]  # the caller's os.environ at the call
     cwd: str
     sys_path: list[str]
-    payload: bytes           # cloudpickle of (fn, args, kwargs)
+    payload: bytes           # (fn, args, kwargs), by _ship
+    sources: dict[str, tuple]  # linecache entries of the shipped code's cells
+
+
+class _ShipPickler(cloudpickle.Pickler):
+    """cloudpickle, except that code objects keep their file name.
+
+    cloudpickle pickles a notebook function by value, code object included,
+    but (from cloudpickle 3.1.3 on) renames the code's file to
+    ``<dynamic-code>`` to make pickles deterministic. A rank's traceback and
+    the collective recorder then cannot say ``Cell In[4], line 10``. So code
+    objects travel here as ``marshal`` bytes, the format of a ``.pyc`` file,
+    which keeps every field; caller and ranks run the same interpreter, the
+    one condition marshal needs. The pickler also notes which files the code
+    came from, so that the cells' source can travel too (see ``_ship``)."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.filenames: set[str] = set()
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.CodeType):
+            self.filenames.add(obj.co_filename)
+            return marshal.loads, (marshal.dumps(obj),)
+        return super().reducer_override(obj)
+
+
+def _ship(obj: Any) -> tuple[bytes, dict[str, tuple]]:
+    """``obj`` pickled for a rank, and the source of every notebook cell its
+    code came from. A cell's source exists only in the kernel (IPython keeps
+    it in ``linecache`` under a made-up file name); a rank that has it can
+    print the learner's line in its traceback like any file's."""
+    buffer = io.BytesIO()
+    pickler = _ShipPickler(buffer)
+    pickler.dump(obj)
+    sources = {name: linecache.cache[name] for name in pickler.filenames
+               if name in linecache.cache and not os.path.exists(name)}
+    return buffer.getvalue(), sources
 
 
 def _seed_everything(seed: int) -> None:
@@ -602,6 +641,7 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: _LaunchSpec, store: Any) -
             _group_backend(spec.backend), store=dist.PrefixStore(f"launch{spec.generation}", store),
             rank=rank, world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.pg_timeout))
+        linecache.cache.update(spec.sources)  # the cells' lines, for tracebacks
         fn, args, kwargs = cloudpickle.loads(spec.payload)
         _seed_everything(spec.seed + rank if spec.seed_per_rank else spec.seed)
         result = _to_cpu(fn(*args, **kwargs))
@@ -1022,14 +1062,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         raise RuntimeError("launch() called inside a rank: nested launches are not supported")
     backend = _resolve_backend(backend, world_size)
     try:
-        payload = cloudpickle.dumps((fn, args, kwargs))
+        payload, sources = _ship((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(f"could not ship {getattr(fn, '__name__', fn)!r} and its arguments to "
                         f"the ranks (they must be picklable): {exc}") from exc
 
     with _POOL_LOCK:
         pool, conns, generation = _start_ranks(world_size, backend, timeout, seed,
-                                               seed_per_rank, payload)
+                                               seed_per_rank, payload, sources)
         port = pool.store.port  # (names the launch's record files)
         ended = False  # are all of this launch's ranks gone or going?
         try:
@@ -1056,7 +1096,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         return results
 
 
-def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload):
+def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sources):
     """Fork the launch's ranks; a server found dead is replaced, not reported."""
     for attempt in range(2):
         try:
@@ -1065,7 +1105,8 @@ def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload):
             generation = next(_GENERATIONS)
             spec = _LaunchSpec(generation, world_size, backend, pool.store.port,
                                float(timeout) + _PG_TIMEOUT_MARGIN, seed, seed_per_rank,
-                               dict(os.environ), os.getcwd(), list(sys.path), payload)
+                               dict(os.environ), os.getcwd(), list(sys.path), payload,
+                               sources)
             return pool, pool.start_ranks(spec), generation
         except _ServerGone:
             # It died while idle (killed by hand, out of memory) and we only saw

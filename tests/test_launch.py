@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -604,10 +605,37 @@ def test_rank_error_in_a_notebook_leads_with_rank_exception_and_the_learners_lin
     assert "x = x @ torch.ones(3)  # the learner's bug" in text
     assert "launch.py" not in text and "_rank_main" not in text  # no launcher internals
     assert "rank_traceback" in lines[-1]
+    # The rank itself knew the cell's name and source (they travel with the
+    # function): its own traceback text has the learner's line too.
+    assert f'File "{cell}", line 4, in train_step' in err.value.rank_traceback
+    assert "x = x @ torch.ones(3)  # the learner's bug" in err.value.rank_traceback
     # a rank that died has no frames: the message alone
     with pytest.raises(RankError) as err:
         launch(lambda: os._exit(3) if rank_info().rank == 1 else None, 2)
     assert err.value._render_traceback_() == [f"RankError: {err.value}"]
+
+
+def test_shipped_code_keeps_its_file_name_whatever_the_serializer_does():
+    # cloudpickle 3.1.3 renames a by-value function's code file to
+    # "<dynamic-code>" (deterministic pickles); the rank must still see the
+    # notebook cell's name, or tracebacks and the recorder lose the line.
+    from helpers.launch import _ship
+    cell = "<ipython-input-9-ship>"
+    source = "def f():\n    return 1\n"
+    namespace = {}
+    exec(compile(source, cell, "exec"), namespace)
+    import linecache
+    linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)
+    try:
+        payload, sources = _ship((namespace["f"], (), {}))
+    finally:
+        del linecache.cache[cell]
+    fn, _, _ = cloudpickle.loads(payload)
+    assert fn.__code__.co_filename == cell and fn() == 1
+    assert sources == {cell: (len(source), None, source.splitlines(True), cell)}
+    # a function defined in a real file carries no source: the rank reads the file
+    _, sources = _ship((test_shipped_code_keeps_its_file_name_whatever_the_serializer_does, (), {}))
+    assert sources == {}
 
 
 def test_library_frames_are_folded_in_the_rendered_traceback():
