@@ -345,11 +345,26 @@ def check_ulysses(heads: int, cp: int) -> None:
         raise ValueError(f"{heads} heads do not divide over context-parallel size {cp}")
 
 
+def _exchange(send, group):
+    """All-to-all of equal-shaped chunks: send[j] goes to rank j, recv[j] came from rank j.
+
+    That is the contract of the list form ``dist.all_to_all(recv, send)``, but
+    torch 2.11's gloo refuses the list form ("Backend gloo does not support
+    alltoall"), while every version's gloo and NCCL have ``all_to_all_single``.
+    So the chunks are stacked along a new leading dimension, which
+    ``all_to_all_single`` splits evenly over the ranks: row j goes to rank j,
+    and row j of the result came from rank j.
+    """
+    stacked = torch.stack(send)                           # (cp, *chunk); copies, so contiguous
+    out = torch.empty_like(stacked)
+    dist.all_to_all_single(out, stacked, group=group)
+    return out.unbind(0)
+
+
 def _seq_to_head(x, group, layout):
     """(B, H, S/cp, d) sequence-split -> (B, H/cp, S, d) head-split, global order."""
     cp = cp_size(group)
-    recv = [torch.empty_like(c) for c in x.chunk(cp, dim=1)]
-    dist.all_to_all(recv, [c.contiguous() for c in x.chunk(cp, dim=1)], group=group)
+    recv = _exchange(x.chunk(cp, dim=1), group)           # head group j goes to rank j
     by_rank = torch.cat(recv, dim=-2)                     # rank 0's positions, rank 1's, ...
     order = torch.cat([positions(by_rank.size(-2), cp, r, layout)
                        for r in range(cp)]).to(x.device)
@@ -361,8 +376,7 @@ def _head_to_seq(x, group, layout):
     cp = cp_size(group)
     order = torch.cat([positions(x.size(-2), cp, r, layout) for r in range(cp)]).to(x.device)
     send = x.index_select(2, order).chunk(cp, dim=-2)     # rank r's positions go to rank r
-    recv = [torch.empty_like(c) for c in send]
-    dist.all_to_all(recv, [c.contiguous() for c in send], group=group)
+    recv = _exchange(send, group)
     return torch.cat(recv, dim=1)                         # heads of rank 0, rank 1, ...
 
 
