@@ -9,7 +9,10 @@ compressed; its first ``WARMUP`` steps are plain all-reduces and are not
 timed). Step time is the median of forward + backward (with the hook) +
 AdamW. "torch PowerSGD 4" is torch's DDP with ``powerSGD_hook``: its step
 time against "PowerSGD 4" (ours, synchronous) and "PowerSGD 4 async" (ours,
-worker thread). On a CPU
+worker thread). It is called through ``helpers.compression.torch_powersgd_hook``,
+which on a machine with CUDA runs it to completion before returning (torch's
+hook would otherwise call ``torch.cuda.synchronize`` on our CPU tensors and
+fail): there it is synchronous too. On a CPU
 with gloo, sending fewer bytes rarely pays for the compression's compute;
 on slow inter-node links it does.
 """
@@ -68,13 +71,14 @@ def _run_torch(kind, size, seq, steps):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from helpers.compression import torch_powersgd_hook
     from helpers.model import build_model
 
     r = rank_info()
     ddp = DDP(build_model(size, seed=0))
     state = psgd.PowerSGDState(None, matrix_approximation_rank=int(kind.split()[-1]),
                                start_powerSGD_iter=WARMUP)
-    ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    ddp.register_comm_hook(state, torch_powersgd_hook)  # torch's, CPU-safe with CUDA present
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     x = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(r.rank))
     times = []

@@ -43,7 +43,9 @@ size); its ``powerSGD_hook`` works as ``PowerSGDHook`` (per tensor, 1-D
 uncompressed, ``start_powerSGD_iter`` warm-up, ``min_compression_rate``),
 batches same-shape matrices, and chains its two all-reduces as futures on
 the CUDA side stream. Our ``asynchronous=True`` runs the same chain on a
-worker thread with its own process group. The top-k hook finishes its
+worker thread with its own process group. To run torch's hook itself on CPU
+buckets (gloo) on a machine that has CUDA, call it through
+``torch_powersgd_hook`` (see there why). The top-k hook finishes its
 all-gathers before returning (a completed future): it does not overlap with
 backward.
 
@@ -55,6 +57,7 @@ rank's GPU with nccl).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -65,7 +68,7 @@ import torch.distributed as dist
 from helpers.comm import all_gather, ring_bytes_sent
 from helpers.comm import completed_future, world_size
 
-__all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "should_compress"]
+__all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "should_compress", "torch_powersgd_hook"]
 
 
 class _Counting:
@@ -309,3 +312,55 @@ class PowerSGDHook(_Counting):
         if world > 1 and t.numel():
             t.div_(world)
             dist.all_reduce(t, group=group)
+
+
+# --------------------------------------------------------------------------
+# PyTorch's own PowerSGD hook, runnable on CPU buckets where CUDA is present.
+# --------------------------------------------------------------------------
+
+def torch_powersgd_hook(state, bucket):
+    """``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook``,
+    also for a CPU bucket on a machine that has CUDA. Register it on torch's DDP
+    in its place: ``ddp.register_comm_hook(state, torch_powersgd_hook)``.
+
+    Why: torch's hook ends (its ``decompress`` callback) with
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(device)      # device: the bucket's
+
+    whatever that device is. For a CPU bucket, which is what gloo trains on
+    when a node has fewer GPUs than ranks, ``torch.cuda.synchronize(cpu)``
+    raises ValueError ("Expected a cuda device"). A CPU bucket has no CUDA
+    stream to wait for, so for one we run torch's hook with
+    ``torch.cuda.synchronize`` skipping non-CUDA devices (``_cuda_sync_only``)
+    and wait for its future inside that, because its callbacks may run on
+    another thread after the hook returns; DDP gets the finished future. The
+    arithmetic is torch's, untouched. CUDA buckets, and machines without CUDA,
+    get torch's hook as it is, asynchronous.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if bucket.buffer().is_cuda or not torch.cuda.is_available():
+        return psgd.powerSGD_hook(state, bucket)
+    with _cuda_sync_only():
+        fut = psgd.powerSGD_hook(state, bucket)
+        fut.wait()  # every callback, the synchronizing one too, has run when this returns
+    return fut
+
+
+@contextlib.contextmanager
+def _cuda_sync_only():
+    """Within: ``torch.cuda.synchronize(device)`` does nothing for a non-CUDA device
+    (there is nothing to wait for) and synchronizes CUDA devices as before."""
+    synchronize = torch.cuda.synchronize
+
+    def cuda_only(device=None):
+        if device is None or isinstance(device, int) or torch.device(device).type == "cuda":
+            return synchronize(device)
+        return None
+
+    torch.cuda.synchronize = cuda_only
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from helpers import launch, rank_info
-from helpers.compression import PowerSGDHook, TopKHook, cast_hook, should_compress
+from helpers.compression import (PowerSGDHook, TopKHook, cast_hook, should_compress,
+                                 torch_powersgd_hook)
 from helpers.tolerance import gamma
 
 
@@ -212,9 +213,25 @@ def test_hooks_on_gpu_with_nccl():
         assert diff < (2e-2 if name == "bf16" else 1e-5), (name, diff)
 
 
-def _against_torch_hooks():
+def _pretend_cuda_is_present():
+    """This rank process now looks like a GPU node running gloo on CPU tensors
+    (fewer GPUs than ranks): CUDA is "available", and ``torch.cuda.synchronize``
+    raises, as ``torch.cuda.synchronize(cpu)`` does there (ValueError, "Expected
+    a cuda device"); a CUDA device would be an error here too, there is none.
+    Patched in the rank (a process forked for this launch), not in pytest's
+    process: a monkeypatch there would not reach the ranks."""
+    def synchronize(device=None):
+        raise ValueError(f"torch.cuda.synchronize({device}) on CPU tensors")
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.synchronize = synchronize
+
+
+def _against_torch_hooks(cuda_present=False):
     """The same model and batch under torch's DDP with its hook and under
-    BucketedDDP with ours, one bucket each (bucket_cap_mb=1000)."""
+    BucketedDDP with ours, one bucket each (bucket_cap_mb=1000). torch's
+    PowerSGD hook is called through ``torch_powersgd_hook``, which runs it on
+    CPU buckets also where CUDA is present (``cuda_present``: pretend so)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -222,6 +239,8 @@ def _against_torch_hooks():
     from helpers.ddp import BucketedDDP
     from helpers.model import build_model
 
+    if cuda_present:
+        _pretend_cuda_is_present()
     r = rank_info()
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(r.rank))
     out = {"cast": {}, "psgd": []}
@@ -246,7 +265,7 @@ def _against_torch_hooks():
 
     def hook(st, bucket):
         order[:] = [id(p) for p in bucket.parameters()]
-        return psgd.powerSGD_hook(st, bucket)
+        return torch_powersgd_hook(st, bucket)
 
     ddp.register_comm_hook(state, hook)
     h = PowerSGDHook(R, start_iter=2, asynchronous=True)
@@ -292,8 +311,11 @@ def _hand_state_over(state, hook, key, torch_order, params, slot, layout, R):
 
 
 @pytest.mark.slow
-def test_same_bucket_as_torchs_bf16_and_powersgd_hooks():
-    res = launch(_against_torch_hooks, 2, timeout=120)
+@pytest.mark.parametrize("cuda_present", [False, True], ids=["cpu-machine", "cuda-present"])
+def test_same_bucket_as_torchs_bf16_and_powersgd_hooks(cuda_present):
+    # cuda_present: CPU tensors on gloo on a machine with CUDA (a node with fewer
+    # GPUs than ranks), where torch's own hook would call torch.cuda.synchronize(cpu)
+    res = launch(_against_torch_hooks, 2, cuda_present, timeout=120)
     for r in res:
         assert all(r["cast"]), "cast_hook differs from bf16_compress_hook"
         for step, grads in enumerate(r["psgd"]):
