@@ -127,8 +127,9 @@ __all__ = ["launch", "rank_info", "RankInfo", "RankError", "RankTimeout", "shutd
 # Extra seconds the process group waits beyond the launch timeout, so that the
 # launcher's deadline (which names the stuck ranks) fires before gloo's own.
 _PG_TIMEOUT_MARGIN = 30.0
-# After the first failure, how long to keep listening for the root cause
-# (a rank that died makes its peers fail with "connection closed" first).
+# After a rank raised an error of its own or died (a root cause), how long
+# to keep listening for the other ranks' errors, for the "(then: ...)" line.
+# A connection error alone never ends the wait: see _collect.
 _GRACE = 1.0
 # Starting the server imports torch: seconds on a busy laptop, never minutes.
 _START_TIMEOUT = 120.0
@@ -732,6 +733,11 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
     def send(msg: tuple) -> None:
         ctrl.send_bytes(cloudpickle.dumps(msg))
 
+    # The sockets of the launch being handed out. A spare forked meanwhile
+    # must close its copies: a copy held open in another process would hide
+    # a rank's death from the caller (its socket would not close).
+    handing_out: list[int] = []
+
     def fork_spare() -> None:
         ours, theirs = socket.socketpair()
         pid = os.fork()
@@ -742,6 +748,8 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 for closable in [ctrl, sock, ours] + [link for _, link in spares]:
                     closable.close()
+                for fd in handing_out:
+                    os.close(fd)
                 os.close(wake_r)
                 os.close(wake_w)
                 _spare_main(theirs, os.getppid(), store_port)
@@ -798,13 +806,17 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
             msg = cloudpickle.loads(ctrl.recv_bytes())  # EOFError: the caller is gone
             if msg[0] == "launch":
                 spec = msg[1]
+                while len(spares) < spec.world_size:  # fork before holding the sockets
+                    fork_spare()
                 _, fds, _, _ = socket.recv_fds(sock, 1, spec.world_size)
+                handing_out[:] = fds
                 blob = cloudpickle.dumps(spec)
                 pids = [give_orders(r, blob, fd) for r, fd in enumerate(fds)]
                 for pid, rank in zip(pids, range(spec.world_size)):
                     children[pid] = (spec.generation, rank)
                 for fd in fds:
                     os.close(fd)
+                handing_out.clear()
                 send(("started", spec.generation, pids))
                 n_spares = spec.world_size
             elif msg[0] == "kill":
@@ -1122,11 +1134,29 @@ def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sou
 
 def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
              deadline: float) -> list[Any]:
+    """Every rank's result, or the error that names the rank that started a failure.
+
+    Which rank to name is decided from facts, not from which message came first.
+    A rank that dies makes its peers fail with "connection closed", and their
+    messages can arrive before its death is seen. So a connection error alone
+    never ends the wait while some rank's fate is unknown: the launch goes on
+    listening (until the deadline) for that rank's result, error or exit. A
+    death is known two ways: the rank's socket closes, or the rank server,
+    which reaps every rank, reports its exit status (the socket may stay open
+    if the rank forked a child that inherited it, a DataLoader worker say).
+    """
     n = len(conns)
     results: dict[int, Any] = {}
     failures: list[tuple[int, str, tuple]] = []  # (rank, kind, details), in arrival order
     rank_of = {c: r for r, c in enumerate(conns)}
-    give_up_at = None  # set when the first failure arrives
+    give_up_at = None  # set when a root cause (a death, an error of its own) arrives
+    server = [pool.conn]  # emptied if the server goes away (then sockets alone tell)
+
+    def died(rank: int, code: int | None) -> None:
+        failures.append((rank, "died", (code,)))
+        results[rank] = None
+        for conn in [c for c, r in rank_of.items() if r == rank]:
+            del rank_of[conn]
 
     while len(results) < n:
         now = time.monotonic()
@@ -1134,17 +1164,24 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
         if now >= limit:
             break
         watch = [c for c, r in rank_of.items() if r not in results]
-        if not watch:
-            break
-        for conn in mpc.wait(watch, timeout=limit - now):
-            rank = rank_of[conn]
+        for conn in mpc.wait(watch + server, timeout=limit - now):
+            if conn is pool.conn:  # an exit report from the server
+                try:
+                    pool._recv(0)
+                except _ServerGone:
+                    server.clear()
+                for (gen, rank), code in list(pool.exits.items()):
+                    if gen == generation and rank not in results:
+                        died(rank, code)  # it exited before answering
+                continue
+            rank = rank_of.get(conn)
+            if rank is None or rank in results:
+                continue
             try:
                 msg = cloudpickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 # The socket closed without a result: the rank's process died.
-                del rank_of[conn]
-                failures.append((rank, "died", (pool.exit_code(generation, rank),)))
-                results[rank] = None
+                died(rank, pool.exit_code(generation, rank))
                 continue
             if msg[0] == "out":
                 stream = sys.stdout if msg[1] == "stdout" else sys.stderr
@@ -1155,14 +1192,15 @@ def _collect(pool: _Pool, conns: list[mpc.Connection], generation: int,
             elif msg[0] == "error":
                 failures.append((rank, "error", msg[1:]))
                 results[rank] = None  # this rank is done, but failed
-        if failures and give_up_at is None:
+        if give_up_at is None and any(_is_root_cause(kind, details)
+                                      for _, kind, details in failures):
             give_up_at = time.monotonic() + _GRACE
 
     if not failures and len(results) == n:
         return [results[r] for r in range(n)]
     try:
         if failures:
-            _raise_root_cause(failures)
+            _raise_root_cause(failures, unknown=sorted(set(range(n)) - set(results)))
         unfinished = sorted(set(range(n)) - set(results))
         done = sorted(results)
         raise RankTimeout(
@@ -1207,8 +1245,14 @@ def _is_comm_error(details: tuple) -> bool:
     return any(w in text for w in _COMM_WORDS)
 
 
-def _raise_root_cause(failures: list[tuple[int, str, tuple]]) -> None:
-    """Name the rank that started it: a death first, then a non-communication error."""
+def _is_root_cause(kind: str, details: tuple) -> bool:
+    """A death or an error of the rank's own; a connection error is a symptom."""
+    return kind == "died" or not _is_comm_error(details)
+
+
+def _raise_root_cause(failures: list[tuple[int, str, tuple]], unknown: list[int] = ()) -> None:
+    """Name the rank that started it: a death first, then a non-communication
+    error; a connection error only when nothing else is known, saying so."""
     def priority(item):
         index, (rank, kind, details) = item
         if kind == "died":
@@ -1218,6 +1262,9 @@ def _raise_root_cause(failures: list[tuple[int, str, tuple]]) -> None:
     _, (rank, kind, details) = min(enumerate(failures), key=priority)
     others = [f"rank {r} {'died' if k == 'died' else 'raised ' + d[0]}"
               for r, k, d in failures if r != rank]
+    if unknown and not _is_root_cause(kind, details):
+        others.append(f"rank(s) {list(unknown)} neither answered nor exited before the "
+                      f"timeout: one of them is the likely cause")
     tail = f"\n(then: {'; '.join(others)})" if others else ""
     if kind == "died":
         raise RankError(f"rank {rank} {_describe_exit(details[0])}{tail}",

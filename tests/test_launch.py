@@ -178,6 +178,78 @@ def test_rank_that_dies_is_named_with_how(how, words):
     assert_no_ranks()
 
 
+def _dies_mid_step():
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank_info().rank == 1:
+        os._exit(3)
+    dist.all_reduce(t)  # the peers fail here with "Connection closed by peer"
+
+
+def test_a_rank_that_dies_mid_step_is_named_not_a_peer_that_lost_it():
+    """The peers' "connection closed" errors can reach the caller before the
+    dead rank's own socket closes; the dead rank is still the one named.
+    A fresh server each time: the first launch forks its ranks while it
+    holds the launch's sockets, which once left a copy of rank 1's socket in
+    rank 2 (so rank 1's death was not seen until rank 2 died too)."""
+    for _ in range(3):
+        shutdown()
+        with pytest.raises(RankError) as err:
+            launch(_dies_mid_step, 3, timeout=30)
+        assert (err.value.rank, err.value.exc_type) == (1, "died"), str(err.value)
+        assert str(err.value).startswith("rank 1 exited with code 3")
+    assert_no_ranks()
+
+
+def test_a_dead_rank_whose_socket_stays_open_is_named_from_its_exit_status(tmp_path):
+    """Rank 1 forks a child that inherits its sockets (as a DataLoader worker
+    would) and dies: no socket closes, and its peers wait in the all-reduce, so
+    only the rank server's exit report can tell. Without it the launch ends in
+    a timeout naming ranks 0 and 2."""
+    pid_file = tmp_path / "child.pid"
+
+    def fn():
+        dist.all_reduce(torch.ones(4))
+        if rank_info().rank == 1:
+            if os.fork() == 0:  # the child keeps every socket of rank 1 open
+                pid_file.write_text(str(os.getpid()))
+                time.sleep(60)
+                os._exit(0)
+            while not pid_file.exists():
+                time.sleep(0.01)
+            os._exit(3)
+        dist.all_reduce(torch.ones(4))
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankError) as err:
+            launch(fn, 3, timeout=15)
+    finally:
+        with contextlib.suppress(Exception):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert (err.value.rank, err.value.exc_type) == (1, "died"), str(err.value)
+    assert "exited with code 3" in str(err.value)
+    assert time.monotonic() - start < 10  # named from the report, not at the timeout
+    assert_no_ranks()
+
+
+def test_the_dead_rank_is_named_on_a_loaded_machine():
+    """Busy loops on every core (more than cores): the dead rank is still named,
+    each of several times (a grace window would be a guess under load)."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        for _ in range(3):
+            with pytest.raises(RankError) as err:
+                launch(_dies_mid_step, 3, timeout=60)
+            assert (err.value.rank, err.value.exc_type) == (1, "died"), str(err.value)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert_no_ranks()
+
+
 def test_deadlock_missing_collective_names_the_stuck_rank():
     def fn():
         if rank_info().rank == 0:
