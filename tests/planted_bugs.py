@@ -190,3 +190,14 @@ def pad_with_zero_grads() -> torch.Tensor:
             w -= LR * w.grad / world
         w.grad = None
     return w.detach()
+
+
+def a_collective_that_raises():
+    """Rank 0's all-reduce raises (MAX is not defined on complex numbers) and
+    rank 0 gives up; rank 1 goes on to the next all-reduce and waits there."""
+    from helpers.debug import record_collectives
+    with record_collectives():
+        if dist.get_rank() == 0:
+            z = torch.ones(2, dtype=torch.complex64)
+            dist.all_reduce(z, op=dist.ReduceOp.MAX)                # RAISES
+        dist.all_reduce(torch.ones(2))

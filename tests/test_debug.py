@@ -17,7 +17,7 @@ from helpers import RankError, RankTimeout, launch
 from helpers.debug import first_disagreement, straggler
 from helpers.debug.diff import arrival_lateness
 from helpers.debug.recorder import CallRecord
-from planted_bugs import (crashes_mid_step, data_dependent_branch, ddp_steps, failing_inside_recorder,
+from planted_bugs import (a_collective_that_raises, crashes_mid_step, data_dependent_branch, ddp_steps, failing_inside_recorder,
                           healthy_step, mismatched_dtype, mismatched_shape, recv_without_send,
                           skips_a_collective, slow_rank, swaps_two_collectives)
 
@@ -115,6 +115,16 @@ def test_a_rank_that_crashes_mid_step_is_named_with_its_last_call():
         in err.diff
     assert (f"rank 1 never called it: its last one was call #0, all_reduce [4] float32 at "
             f"{line_of('BEFORE-CRASH')}, then it exited with code 3") in err.diff
+
+
+def test_a_call_that_raised_is_recorded_as_raised_not_returned():
+    err = failed_launch(a_collective_that_raises, 2)
+    assert err.rank == 0 and err.exc_type == "ValueError"
+    assert (f"rank 0: #0 all_reduce [2] complex64 at {line_of('RAISES')} (raised ValueError)"
+            in err.diff)
+    [call] = err.records[0]
+    assert (call.outcome, call.state) == ("raised ValueError", "raised ValueError")
+    assert err.records[1][-1].state == "never returned"  # rank 1 still waits for it
 
 
 def test_a_data_dependent_branch_is_named():

@@ -64,7 +64,7 @@ def assemble(events: dict[int, list[tuple]]) -> dict[int, list[CallRecord]]:
             if ev[0] == "call":
                 by_seq[ev[1].seq] = ev[1]
             elif ev[0] == "end" and ev[1] in by_seq:
-                by_seq[ev[1]].end = ev[2]
+                by_seq[ev[1]].end, by_seq[ev[1]].outcome = ev[2], ev[3]
         out[rank] = [by_seq[s] for s in sorted(by_seq)]
     return out
 
@@ -206,9 +206,8 @@ def explain(records: dict[int, list[CallRecord]], status: dict[int, str] | None 
         calls = records.get(rank, [])
         if calls:
             last = calls[-1]
-            state = "never returned" if last.end is None else "returned"
             lines.append(f"  rank {rank}: #{last.seq} {last.describe()} at "
-                         f"{describe_where(last.where)} ({state})")
+                         f"{describe_where(last.where)} ({last.state})")
         else:
             lines.append(f"  rank {rank}: no recorded call")
     return "\n".join(lines)

@@ -21,8 +21,10 @@ are replaced by thin wrappers that log, per call, a :class:`CallRecord`:
   named as IPython names it: ``Cell In[5], line 12``), and if that line is
   inside the course's ``helpers``, also the learner's line that led there,
 * ``start`` and ``end`` (``time.time()``; ``end`` is None while the call has
-  not returned, which is what a hung call looks like). An ``async_op=True``
-  call "ends" when it returns its Work, not when the Work completes.
+  not ended, which is what a hung call looks like), and ``outcome``: how it
+  ended, ``"returned"`` or ``"raised RuntimeError"`` (a peer that went away,
+  a size mismatch gloo caught). An ``async_op=True`` call "ends" when it
+  returns its Work, not when the Work completes.
 
 On exit (also on an error) the original functions are put back.
 
@@ -106,6 +108,12 @@ class CallRecord:
     async_op: bool = False
     world: int = 0                  # the default group's size (to tell a subgroup)
     root: int | None = None         # src/dst of broadcast, reduce, gather, scatter
+    outcome: str | None = None      # "returned", "raised RuntimeError"; None: not ended
+
+    @property
+    def state(self) -> str:
+        """How the call ended, in words: returned, raised X, or never returned."""
+        return "never returned" if self.end is None else (self.outcome or "returned")
 
     @property
     def is_p2p(self) -> bool:
@@ -245,10 +253,14 @@ class Recorder:
             self._sink(("call", rec))
         return rec
 
-    def finish(self, rec: CallRecord) -> None:
-        rec.end = time.time()
+    def finish(self, rec: CallRecord, outcome: str = "returned") -> None:
+        rec.end, rec.outcome = time.time(), outcome
         if self._sink is not None:
-            self._sink(("end", rec.seq, rec.end))
+            self._sink(("end", rec.seq, rec.end, outcome))
+
+
+def _outcome(exc: BaseException | None) -> str:
+    return "returned" if exc is None else f"raised {type(exc).__name__}"
 
 
 def _tensor_list(v) -> bool:
@@ -276,12 +288,15 @@ def _wrap(op: str, original: Callable) -> Callable:
             return original(*args, **kwargs)
         bound = sig.bind_partial(*args, **kwargs).arguments
         rec = _ACTIVE[-1].begin(op, bound, sys._getframe(1))
-        _LOCAL.busy = True
+        _LOCAL.busy, failure = True, None
         try:
             return original(*args, **kwargs)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             _LOCAL.busy = False
-            _ACTIVE[-1].finish(rec)
+            _ACTIVE[-1].finish(rec, _outcome(failure))
     return wrapper
 
 
@@ -296,13 +311,16 @@ def _wrap_batch(original: Callable) -> Callable:
                                   {"tensor": p.tensor, "group": p.group,
                                    _PEER_ARG.get(getattr(p.op, "__name__", ""), "peer"): p.peer},
                                   frame) for p in p2p_op_list]
-        _LOCAL.busy = True
+        _LOCAL.busy, failure = True, None
         try:
             return original(p2p_op_list)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             _LOCAL.busy = False
             for rec in recs:
-                _ACTIVE[-1].finish(rec)
+                _ACTIVE[-1].finish(rec, _outcome(failure))
     return wrapper
 
 
