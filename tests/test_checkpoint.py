@@ -62,6 +62,39 @@ def test_save_refuses_objects_weights_only_cannot_load(tmp_path):
     assert os.listdir(tmp_path) == []  # refused before any file was written
 
 
+def _outputs_at(threads: int) -> tuple:
+    """A matmul with a long inner dimension and LayerNorm's forward and backward,
+    on ``threads`` intra-op threads (the caller's count is put back)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(32, 4096, generator=g), torch.randn(4096, 32, generator=g)
+        x = torch.randn(64, 32, generator=g)  # the toy's LayerNorm: 4 x 16 tokens of 32
+        w, bias = torch.randn(32, generator=g), torch.randn(32, generator=g)
+        w.requires_grad_(), bias.requires_grad_()
+        y = torch.nn.functional.layer_norm(x, (32,), w, bias)
+        y.backward(torch.randn(64, 32, generator=g))
+        return a @ b, y.detach(), w.grad, bias.grad
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_intra_op_thread_count_changes_the_bits():
+    """Why resumable_run pins its thread count: the same inputs, 1 thread or 4.
+    MKL splits a skinny matmul's inner dimension (4096) over the threads, and
+    LayerNorm's weight and bias gradients sum the rows in per-thread partial
+    sums: other additions, other roundings. LayerNorm's forward is per row and
+    does not change."""
+    one, four = _outputs_at(1), _outputs_at(4)
+    mm, ln_out, ln_w, ln_b = (torch.equal(a, b) for a, b in zip(one, four))
+    assert ln_out and not ln_w and not ln_b
+    assert not mm
+    eps = torch.finfo(torch.float32).eps
+    for a, b in zip(one, four):  # rounding only: a few eps of the largest entry apart
+        assert (a - b).abs().max() <= 16 * eps * a.abs().max()
+
+
 def test_load_into_another_model_config_names_the_tensor(tmp_path):
     model = build_model("toy")
     save(str(tmp_path), {"model": model.state_dict()}, 5)
@@ -224,7 +257,11 @@ def test_torchrun_restarts_after_a_kill_mid_save_and_resumes_bitwise(tmp_path):
     SIGKILLed inside the step-4 save on the first attempt; the restarted group
     resumes from step 2 and ends with the uninterrupted run's weights."""
     from helpers.checkpoint.job import run_torchrun
-    reference = launch(resumable_run, 2, str(tmp_path / "ref"), 6, save_every=100)[0]
+    # The reference's ranks start with 3 intra-op threads, torchrun's workers with
+    # OMP_NUM_THREADS=1: equal weights only because resumable_run pins its own.
+    reference, before, _ = launch(_run_with_threads, 2, 3, str(tmp_path / "ref"), 6,
+                                  save_every=100)[0]
+    assert (before, reference["threads"]) == (3, 1)
     # bounded: two attempts of a 6-step toy job took 37-70 s on the shared 2-core
     # machine at load average ~25; 200 s stays under pytest-timeout's 300 s with
     # room for the reference launch, and a timeout raises with torchrun's output
@@ -232,10 +269,41 @@ def test_torchrun_restarts_after_a_kill_mid_save_and_resumes_bitwise(tmp_path):
                        kill_in_save="4:1", timeout=200)
     assert job["returncode"] == 0, job["log"][-3000:]
     r = job["result"]
-    assert (r["attempt"], r["start"]) == (1, 2)
+    assert (r["attempt"], r["start"], r["threads"]) == (1, 2, 1)
     assert r["skipped"] == ["step00000004.partial: partial save (no manifest.json; never "
                             "renamed into place)"]
     assert _same_params(reference["params"], r["params"])
+
+
+def _run_with_threads(rank_threads, *args, **kwargs):
+    """Rank function: set this rank's intra-op thread count (as another launcher,
+    OMP_NUM_THREADS or a bigger machine would), then resumable_run. Returns its
+    result and the rank's thread count before and after it."""
+    torch.set_num_threads(rank_threads)
+    before = torch.get_num_threads()
+    out = resumable_run(*args, **kwargs)
+    return out, before, torch.get_num_threads()
+
+
+def test_resume_is_bitwise_whatever_thread_count_the_ranks_start_with(tmp_path):
+    """The uninterrupted run's ranks start with 3 intra-op threads, the cut run's
+    with 1, the resumed run's with 2: still bitwise, because resumable_run trains
+    on 1 thread in each (and gives the rank its count back). The control: the
+    uninterrupted run left on its ranks' 3 threads (threads=None) ends elsewhere."""
+    full, before, after = launch(_run_with_threads, 2, 3, str(tmp_path / "full"), 6,
+                                 save_every=100)[0]
+    assert (before, full["threads"], after) == (3, 1, 3)
+    cut = str(tmp_path / "cut")
+    launch(_run_with_threads, 2, 1, cut, 3, save_every=3)
+    resumed, before, _ = launch(_run_with_threads, 2, 2, cut, 6, save_every=100, seed=123)[0]
+    assert (before, resumed["start"], resumed["threads"]) == (2, 3, 1)
+    assert _same_params(full["params"], resumed["params"])
+    assert [full["losses"][s] for s in (4, 5, 6)] == [resumed["losses"][s] for s in (4, 5, 6)]
+
+    unpinned = launch(_run_with_threads, 2, 3, str(tmp_path / "unpinned"), 6, save_every=100,
+                      threads=None)[0][0]
+    assert unpinned["threads"] == 3
+    assert not _same_params(full["params"], unpinned["params"])
 
 
 # --------------------------------------------------------------------------

@@ -10,6 +10,12 @@ worker, stops the group and starts every worker again (attempt 1). The
 script itself does nothing special on a restart: ``resumable_run`` resumes
 from the newest checkpoint every rank can use, which is step 2 (step 4's
 directory is still ``.partial``). Rank 0 writes the result to RESULT_FILE.
+
+``run_torchrun`` sets ``OMP_NUM_THREADS=1`` (what torchrun itself would set for
+more than one worker); the result's ``threads`` is the count the worker had.
+The run's arithmetic does not depend on it: ``resumable_run`` pins its own
+intra-op thread count, so this job and a reference trained with ``launch``
+(``cpu_count // world_size`` threads per rank) can be compared bitwise.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ def main(argv=None) -> None:
     if args.kill_in_save and attempt == 0:
         crash = tuple(int(v) for v in args.kill_in_save.split(":"))
     world = int(os.environ["WORLD_SIZE"])
+    threads = torch.get_num_threads()  # the worker's own, before resumable_run pins it
     _init_group(attempt, world)
     res = launch(resumable_run, world, args.directory, args.steps, crash_in_save=crash,
                  timeout=60)
@@ -79,7 +86,8 @@ def main(argv=None) -> None:
         print(f"attempt {attempt}: started at step {r['start']}, trained to {args.steps}"
               + "".join(f"; skipped {s}" for s in r["skipped"]), flush=True)
         torch.save({"attempt": attempt, "start": r["start"], "params": r["params"],
-                    "losses": r["losses"], "skipped": r["skipped"]}, args.result)
+                    "losses": r["losses"], "skipped": r["skipped"], "threads": threads},
+                   args.result)
     import torch.distributed as dist
     dist.barrier()  # no rank tears down while a peer still talks to it
     dist.destroy_process_group()

@@ -21,10 +21,25 @@ once its own file is written and before the manifest. ``extras`` =
 (capture, restore): the lab's own ``capture(sampler) -> dict`` and
 ``restore(state, sampler)`` replace the built-in handling of the sampler
 position and the RNG streams.
+
+What "bitwise" depends on besides the state: the arithmetic itself. Two runs
+compared bit for bit must split their reductions the same way, so
+``resumable_run`` pins the intra-op thread count (``threads``, 1 by default) and
+turns on ``torch.use_deterministic_algorithms`` for the run, and puts both back
+afterwards (under torchrun the run is the caller's own process). On CPU the
+thread count is what matters: a reduction split over N threads adds N partial
+sums, so 1 and 8 threads round differently (in the toy GPT, LayerNorm's weight
+and bias gradients, summed over the batch's rows; a matmul with a long inner
+dimension is split over threads the same way). Without the pin the
+thread count comes from outside: ``launch`` gives each rank
+``cpu_count // world_size`` threads, ``torchrun`` sets ``OMP_NUM_THREADS=1`` for
+its workers when there is more than one; on a 16-core machine a launched
+reference (8 threads) and a torchrun job (1) end with different weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -65,16 +80,58 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
                   global_batch: int = 8, seq_len: int = 16, lr: float = 1e-2,
                   async_save: bool = False, keep: int | None = None,
                   crash_in_save: tuple | None = None, extras=None, size: str = "toy",
-                  fp16: bool = False) -> dict:
+                  fp16: bool = False, threads: int | None = 1) -> dict:
     """Train (resuming if possible) to ``steps``; see the module docstring.
 
     Returns {"start": step resumed from, "losses": {step: global mean loss},
     "samples": {step: global sample indices}, "params": full weights,
     "skipped": reasons load_latest gave, "stepped": {step: whether the optimizer
-    stepped} with fp16}. The global batch is fixed, so any
-    world size that divides it sees the same data at every step.
+    stepped} with fp16, "threads": the intra-op threads it trained with}. The
+    global batch is fixed, so any world size that divides it sees the same data
+    at every step.
+
+    ``threads``: the intra-op thread count the run uses (and deterministic
+    algorithms on); runs compared bitwise must use the same value. ``None``
+    leaves both as the caller has them, so the result depends on the process
+    it runs in (the tests use it to show that dependency).
     """
     _check(steps, save_every, optimizer, forget, crash, fp16)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    with _pinned_arithmetic(threads):
+        return _run(directory, steps, save_every, optimizer, dropout, forget, crash,
+                    global_batch, seq_len, lr, async_save, keep, crash_in_save, extras, size,
+                    fp16)
+
+
+@contextlib.contextmanager
+def _pinned_arithmetic(threads: int | None):
+    """``threads`` intra-op threads and deterministic algorithms inside; the caller's
+    settings back afterwards. ``None``: the caller's settings, untouched.
+
+    A bitwise comparison holds only if both runs do the same arithmetic, and a
+    kernel's reduction order depends on how many threads split it. So the count
+    is pinned here, in the one function every compared run goes through, not
+    inherited from launch (cpu_count // world_size) or torchrun
+    (OMP_NUM_THREADS=1). With deterministic algorithms an op that has only a
+    nondeterministic implementation raises instead of silently differing."""
+    if threads is None:
+        yield
+        return
+    before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        torch.use_deterministic_algorithms(before[1], warn_only=before[2])
+
+
+def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global_batch,
+         seq_len, lr, async_save, keep, crash_in_save, extras, size, fp16) -> dict:
     info = rank_info()
     if global_batch % info.world_size:
         raise ValueError(f"global batch {global_batch} does not split over "
@@ -161,7 +218,7 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
     else:  # sharded: all-gather the shards
         full = (model if optimizer == "fsdp" else opt).full_parameters()
     return {"start": start, "losses": losses, "samples": samples, "params": full,
-            "skipped": loaded.skipped, "stepped": stepped}
+            "skipped": loaded.skipped, "stepped": stepped, "threads": torch.get_num_threads()}
 
 
 def _killer(crash_in_save, step: int, rank: int):
