@@ -1,5 +1,6 @@
 # Distributed LLM Training, hands-on
-#   make setup      create .venv and install the course (tested CPU torch pinned)
+#   make setup      create .venv and install the course: the tested torch and the tested
+#                   set of every other package (constraints.txt)
 #   make lab        setup, then open JupyterLab on the repository at START_HERE.ipynb
 #   make my-copy    copy labs and course notebooks to work/ (yours, ignored by git)
 #   make reset      throw away your changes to the repository's notebooks
@@ -7,6 +8,12 @@
 #   make test-browser  a real-browser smoke test (needs chromium and playwright)
 #   make test       setup, then the whole suite: pytest on tests/, nbval on course/ and solutions/
 #                   (not the browser test: it runs only where chromium is, by make test-browser)
+#   make test-newest   the whole suite in .venv-newest, on today's newest releases of
+#                   everything (torch too: TORCH_NEWEST), to find out when the world moves
+#   make lock       write constraints.txt from .venv (LOCK_FROM=.venv-newest to adopt the
+#                   newest set after make test-newest passed)
+#   make test-gpu   on a GPU node, with the node's own torch (GPU_PYTHON): the CUDA tests,
+#                   then the whole suite
 #   make labs       regenerate labs/ from solutions/
 #   make notebooks  re-execute course/ and solutions/ in place (outputs are committed)
 #   make bench      run the benchmarks and print their tables
@@ -23,15 +30,47 @@ TORCH  ?= torch==2.13.0
 # reachable), opening the landing page. tests/test_browser.py starts it the same way.
 LAB_ARGS := --ServerApp.root_dir=$(CURDIR) START_HERE.ipynb
 
-.PHONY: setup lab test labs notebooks bench clean my-copy reset normalize test-browser
+# The tested set of every package but torch (torch is pinned by TORCH above, since
+# an instructor's node brings its own CUDA build). It was resolved on one Python
+# version (its first line says which); on another, setup installs unpinned.
+CONSTRAINTS ?= constraints.txt
+# What make test-newest installs as torch: the newest release by default.
+TORCH_NEWEST ?= torch
+NEWEST := .venv-newest
+LOCK_FROM ?= $(VENV)
+# On a GPU node: the Python that has the node's torch and the course (pip install -e .[lab,dev]).
+GPU_PYTHON ?= python3
+# The suite, as CI runs it (the browser test has its own target).
+SUITE := tests course solutions -m "not browser" --nbval-lax --nbval-current-env \
+         -p no:cacheprovider --durations=40
+
+.PHONY: setup lab test labs notebooks bench clean my-copy reset normalize test-browser \
+        test-newest lock test-gpu
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[lab,dev]"
+	$(BIN)/python -m pip install -q -e ".[lab,dev]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
 	touch $(STAMP)
+
+test-newest:
+	test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q --upgrade $(TORCH_NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[lab,dev]"
+	$(NEWEST)/bin/python tools/lock.py versions
+	$(NEWEST)/bin/python -m pytest $(SUITE)
+
+lock:
+	$(LOCK_FROM)/bin/python tools/lock.py write $(CONSTRAINTS)
+
+test-gpu:
+	$(GPU_PYTHON) tools/lock.py versions
+	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs CUDA: this Python sees no GPU (GPU_PYTHON=$(GPU_PYTHON))')"
+	$(GPU_PYTHON) -m pytest tests -m gpu -v -rs -p no:cacheprovider
+	$(GPU_PYTHON) -m pytest $(SUITE)
 
 lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS)
@@ -56,7 +95,8 @@ test-browser: setup
 	$(BIN)/python -m pytest tests/test_browser.py -p no:cacheprovider -v -rs
 
 test: setup
-	$(BIN)/python -m pytest tests course solutions -m "not browser" --nbval-lax --nbval-current-env -p no:cacheprovider --durations=40
+	$(BIN)/python tools/lock.py versions
+	$(BIN)/python -m pytest $(SUITE)
 
 labs: setup
 	$(BIN)/python tools/nbtool.py labs
@@ -68,4 +108,4 @@ bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(NEWEST) .pytest_cache

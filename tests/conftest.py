@@ -9,6 +9,19 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it (CI, a laptop), and
+    what ``make test-gpu`` runs first on a GPU node (``pytest -m gpu``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu runs these on a GPU node)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def load_bench(monkeypatch):
     """``load_bench("bench_ddp")``: benchmarks/bench_ddp.py as a module whose

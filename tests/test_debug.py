@@ -342,7 +342,7 @@ def test_a_leak_shows_as_a_rising_memory_curve():
     assert len(steps) == 1 and steps.pop() > 0
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_memory_stats_see_allocated_and_reserved():
     import torch
 

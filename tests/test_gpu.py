@@ -28,7 +28,7 @@ from helpers.tolerance import within_fp32_noise
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = min(GPUS, 2)
-pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def test_auto_picks_nccl_with_one_rank_per_gpu():

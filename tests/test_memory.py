@@ -178,7 +178,7 @@ def test_widget_and_plot_build():
     assert len(ax.patches) == 4                # one stacked bar, four parts
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_saved_bytes_match_cuda_accounting():
     # CUDA keeps 1-byte bool dropout masks and fp32 LayerNorm statistics
     model = build_model("toy", dropout=0.1, device="cuda").to(torch.bfloat16).train()

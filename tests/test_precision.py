@@ -278,7 +278,7 @@ def test_emulated_gemm_matches_scaled_mm(monkeypatch):
     assert ((real - emulated).abs() <= reorder_bound(mag, 64)).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_fp8_linear_on_cuda():
     # FP8 tensor cores (and cuBLASLt FP8 GEMMs) start at compute capability 8.9
     # (Ada, Hopper); an H100 is 9.0. There the cuBLAS path must run, not the emulation.
@@ -294,7 +294,7 @@ def test_fp8_linear_on_cuda():
     assert FP8_GEMM == ({"scaled_mm": 3, "padded": 3} if fp8_gpu else {"emulated": 3})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("m, k, n", [(33, 50, 7), (64, 64, 48)])
 def test_cuda_fp8_gemm_equals_fp32_reference(m, k, n):
     g = torch.Generator().manual_seed(m * k * n)

@@ -598,7 +598,7 @@ def _on_gpu():
     return out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_world_size_one_on_gpu_with_nccl():
     for (stage, precision), (devices, excess) in launch(_on_gpu, 1, backend="nccl",
                                                         timeout=120)[0].items():
