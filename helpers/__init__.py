@@ -9,6 +9,9 @@ style (``helpers.plots``); ranks and scripts skip it.
 import sys
 
 from helpers.launch import RankError, RankInfo, RankTimeout, launch, rank_info, shutdown
+# The collective recorder plugs into the launcher (launch(..., record=True) and
+# the diff a failed launch ends with); importing it here registers it.
+import helpers.debug  # noqa: E402,F401
 
 if "ipykernel" in sys.modules:  # a Jupyter kernel; ranks are plain processes and never plot
     from helpers import plots as _plots

@@ -47,7 +47,7 @@ def assert_no_children():
     assert child_pids() == set(), "ranks left behind"
 
 
-LAUNCH = sys.modules["helpers.launch"]  # (helpers.launch the attribute is the function)
+LAUNCH = sys.modules["helpers.launch.pool"]  # the rank server's handle: LAUNCH._POOL
 
 
 def rank_pids() -> set[int]:
@@ -587,7 +587,7 @@ def test_a_server_that_died_is_replaced_not_reported(monkeypatch):
 KERNEL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     from helpers import launch
-    L = sys.modules["helpers.launch"]
+    L = sys.modules["helpers.launch.pool"]
     launch(os.getpid, 2)
     server = L._POOL
     try:
@@ -675,7 +675,7 @@ def test_rank_error_in_a_notebook_leads_with_rank_exception_and_the_learners_lin
     text = "\n".join(lines)
     assert f'File "{cell}", line 4, in train_step' in text
     assert "x = x @ torch.ones(3)  # the learner's bug" in text
-    assert "launch.py" not in text and "_rank_main" not in text  # no launcher internals
+    assert "helpers/launch/" not in text and "_rank_main" not in text  # no launcher internals
     assert "rank_traceback" in lines[-1]
     # The rank itself knew the cell's name and source (they travel with the
     # function): its own traceback text has the learner's line too.
@@ -691,7 +691,7 @@ def test_shipped_code_keeps_its_file_name_whatever_the_serializer_does():
     # cloudpickle 3.1.3 renames a by-value function's code file to
     # "<dynamic-code>" (deterministic pickles); the rank must still see the
     # notebook cell's name, or tracebacks and the recorder lose the line.
-    from helpers.launch import _ship
+    from helpers.launch.shipping import ship
     cell = "<ipython-input-9-ship>"
     source = "def f():\n    return 1\n"
     namespace = {}
@@ -699,14 +699,14 @@ def test_shipped_code_keeps_its_file_name_whatever_the_serializer_does():
     import linecache
     linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)
     try:
-        payload, sources = _ship((namespace["f"], (), {}))
+        payload, sources = ship((namespace["f"], (), {}))
     finally:
         del linecache.cache[cell]
     fn, _, _ = cloudpickle.loads(payload)
     assert fn.__code__.co_filename == cell and fn() == 1
     assert sources == {cell: (len(source), None, source.splitlines(True), cell)}
     # a function defined in a real file carries no source: the rank reads the file
-    _, sources = _ship((test_shipped_code_keeps_its_file_name_whatever_the_serializer_does, (), {}))
+    _, sources = ship((test_shipped_code_keeps_its_file_name_whatever_the_serializer_does, (), {}))
     assert sources == {}
 
 

@@ -39,6 +39,7 @@ import statistics
 from collections import Counter, defaultdict
 
 from helpers.debug.recorder import CallRecord, describe_where
+from helpers.launch.hooks import register_failure_report
 
 __all__ = ["Finding", "assemble", "first_disagreement", "explain", "arrival_lateness",
            "straggler"]
@@ -240,3 +241,15 @@ def straggler(records: dict[int, list[CallRecord]]) -> tuple[int, float] | None:
     medians = {r: statistics.median(v) for r, v in late.items() if v}
     rank = max(medians, key=medians.get)
     return rank, medians[rank]
+
+
+def report_failure(err, events: dict[int, list[tuple]], status: dict[int, str]) -> None:
+    """A failed launch's report (registered with helpers.launch.hooks): the
+    error's message ends with the cross-rank diff of the recorded calls, and
+    ``err.records`` / ``err.diff`` hold them."""
+    err.records = assemble(events)
+    err.diff = explain(err.records, status)
+    err.args = (f"{err.args[0]}\n\n{err.diff}",) + err.args[1:]
+
+
+register_failure_report(report_failure)

@@ -74,6 +74,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from helpers.launch.errors import cell_name, library_dirs
+from helpers.launch.hooks import rank_channel, register_option
+
 __all__ = ["OPS", "CallRecord", "Recorder", "record_collectives", "recorded", "describe_where"]
 
 # The functions of torch.distributed that are recorded. Point-to-point ops
@@ -151,7 +154,7 @@ class CallRecord:
 
 _HERE = os.path.dirname(os.path.realpath(__file__))          # helpers/debug
 _HELPERS = os.path.dirname(_HERE)                             # helpers
-_LAUNCH = os.path.join(_HELPERS, "launch.py")
+_LAUNCH = os.path.join(_HELPERS, "launch") + os.sep                # the launcher package
 _kind_cache: dict[str, str] = {}
 
 
@@ -159,9 +162,8 @@ def _kind(filename: str) -> str:
     """'skip' (a library, or the recorder/launcher), 'helpers', or 'user'."""
     kind = _kind_cache.get(filename)
     if kind is None:
-        from helpers.launch import _library_dirs
         real = os.path.realpath(filename)
-        if real.startswith(_library_dirs()) or real.startswith(_HERE) or real == _LAUNCH \
+        if real.startswith(library_dirs()) or real.startswith(_HERE) or real.startswith(_LAUNCH) \
                 or filename.startswith("<"):
             kind = "skip"
         elif real.startswith(_HELPERS + os.sep):
@@ -191,10 +193,8 @@ def _calling_lines(frame) -> list[tuple[str, int, str]]:
 def describe_where(where: list[tuple[str, int, str]]) -> str:
     """``Cell In[5], line 12`` (named as the caller's IPython names the cell),
     ``helpers/ddp.py:301 (from Cell In[5], line 12)``; '?' if unknown."""
-    from helpers.launch import _cell_name
-
     def one(filename, line):
-        name = _cell_name(filename, line)
+        name = cell_name(filename, line)
         if name.startswith("File "):  # a file: shorter, relative where possible
             rel = os.path.relpath(filename) if os.path.isabs(filename) else filename
             name = f"{rel if not rel.startswith('..') else filename}:{line}"
@@ -269,8 +269,7 @@ def _tensor_list(v) -> bool:
 
 def _caller_sink() -> Callable[[tuple], None] | None:
     """Inside a launch's rank: a function that records an event for the caller."""
-    from helpers.launch import _caller_channel
-    return _caller_channel()
+    return rank_channel()
 
 
 _SEQ = iter(range(sys.maxsize))
@@ -377,3 +376,6 @@ def _run_recorded(fn: Callable, *args, **kwargs):
 def recorded(fn: Callable) -> Callable:
     """``fn`` run inside ``record_collectives()`` (what ``launch(record=True)`` ships)."""
     return functools.partial(_run_recorded, fn)
+
+
+register_option("record", recorded)  # launch(fn, n, record=True)

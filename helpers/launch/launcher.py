@@ -1,0 +1,217 @@
+"""``launch``: the caller's side of one launch.
+
+Ship ``fn``, have the server fork the ranks, then wait on every rank's
+socket at once, with a deadline, and either return the results in rank
+order or raise the error that names the rank that started the failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing.connection as mpc
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import cloudpickle
+
+from helpers.launch import hooks
+from helpers.launch.arguments import check_args, resolve_backend
+from helpers.launch.errors import RankError, RankTimeout, describe_exit, is_root_cause, raise_root_cause
+from helpers.launch.info import under_torchrun
+from helpers.launch.pool import POOL_LOCK, Pool, ServerGone, get_pool, kill_pool
+from helpers.launch.shipping import LaunchSpec, ship
+from helpers.launch.torchrun import launch_under_torchrun
+
+
+# Extra seconds the process group waits beyond the launch timeout, so that the
+# launcher's deadline (which names the stuck ranks) fires before gloo's own.
+_PG_TIMEOUT_MARGIN = 30.0
+
+
+# After a rank raised an error of its own or died (a root cause), how long
+# to keep listening for the other ranks' errors, for the "(then: ...)" line.
+# A connection error alone never ends the wait: see _collect.
+_GRACE = 1.0
+
+
+_GENERATIONS = itertools.count(1)
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
+           timeout: float = 60.0, seed: int = 0, seed_per_rank: bool = False,
+           record: bool = False, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return results in rank order.
+
+    backend: "auto" (nccl with one GPU per rank if there are enough GPUs, else
+        gloo on CPU), "gloo" or "nccl".
+    timeout: seconds for the whole call once the ranks are forked (starting
+        the rank server on the first launch gets its own allowance). A rank
+        still running at the deadline raises ``RankTimeout`` naming it.
+    seed / seed_per_rank: every rank is seeded with ``seed`` (or ``seed + rank``).
+    record: run ``fn`` inside ``helpers.debug.record_collectives()`` (an
+        option helpers.debug registers, see helpers.launch.hooks). Either
+        way, if the ranks recorded their collectives and the launch fails, the
+        error ends with the cross-rank diff (``err.diff``, ``err.records``).
+    Keyword arguments other than these go to ``fn``.
+    """
+    check_args(fn, world_size, timeout)
+    fn = hooks.apply_options(fn, {"record": record})
+    if under_torchrun():
+        return launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout,
+                                     seed, seed_per_rank)
+    if os.environ.get("_COURSE_POOL_WORKER") == "1":
+        raise RuntimeError("launch() called inside a rank: nested launches are not supported")
+    backend = resolve_backend(backend, world_size)
+    try:
+        payload, sources = ship((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"could not ship {getattr(fn, '__name__', fn)!r} and its arguments to "
+                        f"the ranks (they must be picklable): {exc}") from exc
+
+    with POOL_LOCK:
+        pool, conns, generation = _start_ranks(world_size, backend, timeout, seed,
+                                               seed_per_rank, payload, sources)
+        port = pool.store.port  # (names the launch's record files)
+        ended = False  # are all of this launch's ranks gone or going?
+        try:
+            results = _collect(pool, conns, generation, time.monotonic() + timeout)
+            for c in conns:  # every rank answered: let them exit (in a few ms;
+                with contextlib.suppress(OSError):  # no need to wait for it)
+                    c.send_bytes(b"bye")
+            ended = True
+        except RankError:  # a rank raised, died or hung: kill the others
+            ended = pool.kill_ranks(generation, world_size)
+            raise
+        except BaseException:  # Ctrl-C while the ranks run: same, if we can
+            with contextlib.suppress(BaseException):
+                ended = pool.kill_ranks(generation, world_size)
+            raise
+        finally:
+            for c in conns:
+                c.close()
+            hooks.remove_records(port, generation, world_size)  # if any rank wrote one
+            if not ended:  # the server did not answer: replace it
+                kill_pool()
+        return results
+
+
+def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sources):
+    """Fork the launch's ranks; a server found dead is replaced, not reported."""
+    for attempt in range(2):
+        try:
+            pool = get_pool(world_size)
+            pool.exits.clear()  # reports of earlier launches: nobody asks for them
+            generation = next(_GENERATIONS)
+            spec = LaunchSpec(generation, world_size, backend, pool.store.port,
+                              float(timeout) + _PG_TIMEOUT_MARGIN, seed, seed_per_rank,
+                              dict(os.environ), os.getcwd(), list(sys.path), payload,
+                              sources)
+            return pool, pool.start_ranks(spec), generation
+        except ServerGone:
+            # It died while idle (killed by hand, out of memory) and we only saw
+            # it now: that is not this launch's failure. Start a new one, once.
+            kill_pool()
+            if attempt == 1:
+                raise RankError("the rank server died twice while forking ranks "
+                                "(out of memory?)", rank=-1, exc_type="died") from None
+        except BaseException:  # Ctrl-C or a timeout while starting: leave nothing behind
+            kill_pool()
+            raise
+
+
+def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
+             deadline: float) -> list[Any]:
+    """Every rank's result, or the error that names the rank that started a failure.
+
+    Which rank to name is decided from facts, not from which message came first.
+    A rank that dies makes its peers fail with "connection closed", and their
+    messages can arrive before its death is seen. So a connection error alone
+    never ends the wait while some rank's fate is unknown: the launch goes on
+    listening (until the deadline) for that rank's result, error or exit. A
+    death is known two ways: the rank's socket closes, or the rank server,
+    which reaps every rank, reports its exit status (the socket may stay open
+    if the rank forked a child that inherited it, a DataLoader worker say).
+    """
+    n = len(conns)
+    results: dict[int, Any] = {}
+    failures: list[tuple[int, str, tuple]] = []  # (rank, kind, details), in arrival order
+    rank_of = {c: r for r, c in enumerate(conns)}
+    give_up_at = None  # set when a root cause (a death, an error of its own) arrives
+    server = [pool.conn]  # emptied if the server goes away (then sockets alone tell)
+
+    def died(rank: int, code: int | None) -> None:
+        failures.append((rank, "died", (code,)))
+        results[rank] = None
+        for conn in [c for c, r in rank_of.items() if r == rank]:
+            del rank_of[conn]
+
+    while len(results) < n:
+        now = time.monotonic()
+        limit = deadline if give_up_at is None else min(deadline, give_up_at)
+        if now >= limit:
+            break
+        watch = [c for c, r in rank_of.items() if r not in results]
+        for conn in mpc.wait(watch + server, timeout=limit - now):
+            if conn is pool.conn:  # an exit report from the server
+                try:
+                    pool._recv(0)
+                except ServerGone:
+                    server.clear()
+                for (gen, rank), code in list(pool.exits.items()):
+                    if gen == generation and rank not in results:
+                        died(rank, code)  # it exited before answering
+                continue
+            rank = rank_of.get(conn)
+            if rank is None or rank in results:
+                continue
+            try:
+                msg = cloudpickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                # The socket closed without a result: the rank's process died.
+                died(rank, pool.exit_code(generation, rank))
+                continue
+            if msg[0] == "out":
+                stream = sys.stdout if msg[1] == "stdout" else sys.stderr
+                stream.write(msg[2])
+                stream.flush()
+            elif msg[0] == "result":
+                results[rank] = msg[1]
+            elif msg[0] == "error":
+                failures.append((rank, "error", msg[1:]))
+                results[rank] = None  # this rank is done, but failed
+        if give_up_at is None and any(is_root_cause(kind, details)
+                                      for _, kind, details in failures):
+            give_up_at = time.monotonic() + _GRACE
+
+    if not failures and len(results) == n:
+        return [results[r] for r in range(n)]
+    try:
+        if failures:
+            raise_root_cause(failures, unknown=sorted(set(range(n)) - set(results)))
+        unfinished = sorted(set(range(n)) - set(results))
+        done = sorted(results)
+        raise RankTimeout(
+            f"rank(s) {unfinished} did not finish within the timeout"
+            f"{f' (rank(s) {done} did)' if done else ''}. This is usually a deadlock: a "
+            f"collective or send/recv that not every rank called, or called in a different "
+            f"order. All ranks were stopped.", unfinished)
+    except RankError as err:
+        # The ranks still run (they are killed after this): what they wrote so far.
+        recorded = hooks.read_records(pool.store.port, generation, n)
+        if any(recorded.values()):
+            hooks.report_failure(err, recorded, _rank_status(n, results, failures))
+        raise
+
+
+def _rank_status(n: int, results: dict, failures: list) -> dict[int, str]:
+    """What became of each rank, in words, for the collective diff."""
+    status = {r: "returned from the rank function" for r in results}
+    running = "had not finished when the launch was stopped" if failures else \
+        "was still running at the timeout"
+    status.update({r: running for r in range(n) if r not in results})
+    for rank, kind, details in failures:
+        status[rank] = describe_exit(details[0]) if kind == "died" else f"raised {details[0]}"
+    return status

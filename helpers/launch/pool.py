@@ -1,0 +1,246 @@
+"""The caller's handle on the rank server: start it, talk to it, replace it.
+
+One server per caller process (the notebook's kernel), started by the first
+launch and kept: later launches fork their ranks from it. It is replaced
+when it died, or when a file it imported or an environment variable read at
+torch's import changed (a fork would run stale code). The caller also hosts
+the ``TCPStore`` in which every launch's ranks meet.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import cloudpickle
+
+from helpers.launch.errors import RankTimeout
+from helpers.launch.shipping import LaunchSpec
+
+
+# Starting the server imports torch: seconds on a busy laptop, never minutes.
+_START_TIMEOUT = 120.0
+
+
+# Forking the ranks, exiting them, killing them: milliseconds when all is
+# well; past this the server is presumed stuck and replaced.
+_SERVER_REPLY_TIMEOUT = 30.0
+
+
+# Environment variables read only when torch (or Python) starts: a change in
+# one of these restarts the server, since a fork would keep the old value.
+_IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_",
+                    "PYTORCH_", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES")
+
+
+# The repository root: the server must import helpers.launch wherever the
+# notebook runs from (course/, labs/, a test's tmp_path).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+class ServerGone(Exception):
+    """The server closed its socket (it died) before a reply."""
+
+
+class Pool:
+    """The caller's handle on the rank server: its process, the socket to it,
+    and the TCPStore every launch's ranks meet in.
+
+    The server is started with subprocess rather than multiprocessing, which
+    would re-import the caller's __main__ (a notebook has none to import, and
+    a script without a ``__main__`` guard would recurse); fn travels by value.
+    """
+
+    def __init__(self):
+        import subprocess
+
+        import torch.distributed as dist
+
+        # The caller hosts the store; port 0 -> the OS picks a free port and we keep it.
+        self.store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
+                                   timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        self.env_at_start = _import_time_env()
+        self.stamps: dict[str, int] = {}  # filled by the server's "ready"
+        self.exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> returncode
+        self.sock, theirs = socket.socketpair()
+        path = os.environ.get("PYTHONPATH")
+        env = dict(os.environ, _COURSE_POOL_WORKER="1", _COURSE_POOL_FD=str(theirs.fileno()),
+                   _COURSE_STORE_PORT=str(self.store.port),
+                   PYTHONPATH=_ROOT + (os.pathsep + path if path else ""))
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from helpers.launch.server import server_entry; server_entry()"],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True)  # its own process group: see _serve
+        finally:
+            theirs.close()
+        self.conn = mpc.Connection(os.dup(self.sock.fileno()))
+
+    # -- talking to the server ------------------------------------------------
+
+    def _recv(self, timeout: float) -> tuple | None:
+        """The next message (an exit report is also filed in ``self.exits``);
+        None if nothing came within ``timeout`` seconds."""
+        if not self.conn.poll(max(0.0, timeout)):
+            return None
+        try:
+            msg = cloudpickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise ServerGone from None
+        if msg[0] == "exit":
+            self.exits[msg[1], msg[2]] = msg[3]
+        return msg
+
+    def _reply(self, kind: str, timeout: float) -> tuple | None:
+        """The next message of this kind (exit reports on the way are filed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._recv(deadline - time.monotonic())
+            if msg is None or msg[0] == kind:
+                return msg
+
+    def wait_ready(self, deadline: float) -> None:
+        msg = self._reply("ready", deadline - time.monotonic())
+        if msg is None:
+            raise RankTimeout("the rank server did not start within the timeout "
+                              "(is the machine overloaded?)", [])
+        self.stamps = msg[2]
+
+    def start_ranks(self, spec: LaunchSpec) -> list[mpc.Connection]:
+        """Ask the server to fork the launch's ranks; one socket to each."""
+        pairs = [socket.socketpair() for _ in range(spec.world_size)]
+        try:
+            self.conn.send_bytes(cloudpickle.dumps(("launch", spec)))
+            socket.send_fds(self.sock, [b"F"], [theirs.fileno() for _, theirs in pairs])
+            if self._reply("started", _SERVER_REPLY_TIMEOUT) is None:
+                raise ServerGone
+        except OSError:  # broken pipe: the server died just now
+            raise ServerGone from None
+        except BaseException:
+            for ours, _ in pairs:
+                ours.close()
+            raise
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
+        return [mpc.Connection(ours.detach()) for ours, _ in pairs]
+
+    def exit_code(self, generation: int, rank: int, timeout: float = 2.0) -> int | None:
+        """How a rank whose socket closed ended (the server reports it at once)."""
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(ServerGone):
+            while (generation, rank) not in self.exits and time.monotonic() < deadline:
+                self._recv(deadline - time.monotonic())
+        return self.exits.get((generation, rank))
+
+    def kill_ranks(self, generation: int, world_size: int) -> bool:
+        """SIGKILL every rank of the launch and wait until the server saw them
+        exit; False if it did not answer."""
+        try:
+            self.conn.send_bytes(cloudpickle.dumps(("kill", generation)))
+            deadline = time.monotonic() + _SERVER_REPLY_TIMEOUT
+            while any((generation, r) not in self.exits for r in range(world_size)):
+                if time.monotonic() >= deadline:
+                    return False
+                self._recv(deadline - time.monotonic())
+        except (ServerGone, OSError):
+            return False
+        return True
+
+    # -- the server's life ------------------------------------------------------
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stale(self) -> str | None:
+        """Why forks of this server would not be fresh, or None."""
+        for path, stamp in self.stamps.items():
+            try:
+                if os.stat(path).st_mtime_ns != stamp:
+                    return f"{os.path.relpath(path)} changed"
+            except OSError:
+                return f"{os.path.relpath(path)} is gone"
+        now = _import_time_env()
+        changed = sorted(k for k in now.keys() | self.env_at_start.keys()
+                         if now.get(k) != self.env_at_start.get(k))
+        if changed:
+            return f"${changed[0]} changed (it is read when torch is imported)"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (it, and every rank) and free the
+        sockets and the store now, not whenever the garbage collector runs: a
+        traceback that still refers to this object must not hold them open."""
+        with contextlib.suppress(Exception):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # unreaped: the pid cannot be reused
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=5)
+        for closable in (self.conn, self.sock):
+            with contextlib.suppress(Exception):
+                closable.close()
+        self.store = None  # the TCPStore closes its listening socket when released
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send_bytes(cloudpickle.dumps(("stop",)))
+            self.proc.wait(timeout=3)
+        self.kill()
+
+
+_POOL: Pool | None = None
+
+
+POOL_LOCK = threading.RLock()
+
+
+def shutdown() -> None:
+    """Stop the rank server (also done automatically when the kernel exits)."""
+    global _POOL
+    with POOL_LOCK:
+        if _POOL is not None:
+            _POOL.stop()
+            _POOL = None
+
+
+atexit.register(shutdown)
+
+
+def kill_pool() -> None:
+    global _POOL
+    if _POOL is not None:
+        _POOL.kill()
+        _POOL = None
+
+
+def get_pool(world_size: int) -> Pool:
+    """The running rank server, or a new one (saying so: it takes seconds)."""
+    global _POOL
+    if _POOL is not None:
+        why = "the rank server died" if not _POOL.alive() else _POOL.stale()
+        if why is None:
+            return _POOL
+        kill_pool()
+        sys.stderr.write(f"[launch] {why}: restarting the rank server ... ")
+    else:
+        sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
+                         f"server imports torch once (a few seconds); later launches fork "
+                         f"fresh ranks from it ... ")
+    sys.stderr.flush()
+    start = time.monotonic()
+    _POOL = Pool()  # set first, so that an interrupt from here on kills it
+    _POOL.wait_ready(start + _START_TIMEOUT)
+    sys.stderr.write(f"ready in {time.monotonic() - start:.1f} s\n")
+    sys.stderr.flush()
+    return _POOL
