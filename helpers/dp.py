@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers.comm import world_size  # (it lived here first: keep the old import working)
+from helpers.comm import world_size
 
-__all__ = ["broadcast_parameters", "average_gradients", "unique_parameters", "world_size"]
+__all__ = ["broadcast_parameters", "average_gradients", "unique_parameters"]
 
 
 def unique_parameters(module: nn.Module, trainable_only: bool = True) -> list[nn.Parameter]:
