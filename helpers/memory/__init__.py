@@ -1,0 +1,41 @@
+"""How many bytes does training hold? Formulas first, then measured.
+
+Model state (Rajbhandari et al. 2020, "ZeRO", sec. 3.1) is 16 bytes per
+parameter for mixed-precision Adam, sharded over data-parallel ranks by ZeRO's
+stages; activations (Korthikanti et al. 2022, sec. 4-5, Table 2) are
+s*b*h*(34 + 5*a*s/h) bytes per transformer layer, divided by tensor and
+sequence parallelism and cut by recompute. Then the same bytes measured:
+every tensor autograd keeps for backward, counted by a saved-tensor hook, and
+derived by hand for our GPT to the byte (chapter 06).
+
+    formulas     ``model_state_bytes``, ``activation_bytes_per_layer``,
+                 ``activation_bytes_model``, ``training_memory`` (per GPU of a
+                 layout), ``memory_over_step`` (the budget over one step)
+    meter        ``SavedTensorCounter`` (``torch.autograd.graph.saved_tensors_hooks``),
+                 ``count_saved_bytes``, ``cuda_peak_bytes`` (the allocator's view)
+    accounting   ``explain_saved_bytes``: the counter's total for our GPT,
+                 term by term against the paper's
+    plots        ``plot_memory_bars``, ``plot_memory_over_step``, ``memory_widget``
+
+How production differs: real runs also pay for temporary buffers (a matmul's
+workspace, an all-gather's output), allocator fragmentation, and the CUDA
+context (~0.5-1 GB); ``torch.cuda.max_memory_allocated`` and
+``torch.cuda.memory._record_memory_history`` see those, our counter does not.
+
+Bytes are decimal (1 GB = 1e9 bytes), as in the papers we compare against.
+"""
+
+from helpers.memory.accounting import ExplainedTerm, explain_saved_bytes
+from helpers.memory.formulas import (GB, MODEL_PRESETS, OPTIMIZER_STATE, PRECISIONS,
+                                     RECOMPUTE_MODES, ModelStateBytes, activation_bytes_model,
+                                     activation_bytes_per_layer, memory_over_step,
+                                     model_state_bytes, training_memory)
+from helpers.memory.meter import (SavedRecord, SavedTensorCounter, count_saved_bytes,
+                                  cuda_peak_bytes)
+from helpers.memory.plots import memory_widget, plot_memory_bars, plot_memory_over_step
+
+__all__ = ["ModelStateBytes", "model_state_bytes", "GB", "RECOMPUTE_MODES",
+           "activation_bytes_per_layer", "activation_bytes_model", "training_memory",
+           "MODEL_PRESETS", "SavedRecord", "SavedTensorCounter", "count_saved_bytes",
+           "ExplainedTerm", "explain_saved_bytes", "cuda_peak_bytes", "plot_memory_bars",
+           "memory_over_step", "plot_memory_over_step", "memory_widget"]

@@ -1,0 +1,282 @@
+"""Memory formulas: model-state bytes (ZeRO) and activation bytes (Korthikanti et al.).
+
+Model state (Rajbhandari et al. 2020, "ZeRO", sec. 3.1): mixed-precision
+training with Adam keeps, per parameter,
+
+    2 bytes   bf16/fp16 weights used in forward and backward
+    2 bytes   bf16/fp16 gradients
+    12 bytes  optimizer state: fp32 master weights (4) + Adam m (4) + v (4)
+    --------
+    16 bytes  ("K = 12" in the paper's notation)
+
+so a 70B-parameter model needs 70e9 * 16 = 1,120 GB before one activation is
+stored: fourteen 80 GB GPUs. ZeRO shards these three parts over N_d
+data-parallel ranks, one more part per stage:
+
+    stage 0 (DP)   (2 + 2 + 12) * Psi
+    stage 1        2 Psi + 2 Psi + 12 Psi / N_d      (optimizer state sharded)
+    stage 2        2 Psi + (2 + 12) Psi / N_d        (+ gradients)
+    stage 3        (2 + 2 + 12) Psi / N_d            (+ weights)
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", sec. 4 and Table 2): one transformer layer with
+16-bit activations and 1-byte dropout masks saves, for backward,
+
+    s*b*h*(34 + 5*a*s/h) bytes        s sequence, b micro-batch, h hidden, a heads
+
+34 sbh is everything that grows like the hidden size (layer-norm inputs, the
+Q/K/V and projection inputs, the 4h MLP tensors, the dropout masks); 5 a s^2 b
+is attention's score-sized tensors (softmax output, its dropout mask, the
+dropped-out probabilities). Tensor parallelism (t ranks) divides the 24 sbh and
+the 5 a s^2 b that live inside the parallel region; sequence parallelism
+divides the remaining 10 sbh too; selective recompute drops the 5 a s^2 b;
+full recompute keeps only the layer input, 2 sbh, or 2 sbh/t with sequence
+parallelism, where that input is already split along the sequence (a deviation
+from Table 2, explained in ``activation_bytes_per_layer``).
+
+``training_memory`` adds the two for one GPU of a parallel layout (model state
+split over tp x pp, then ZeRO over dp), and ``memory_over_step`` spreads that
+budget over one training step: the parts are not all alive at once.
+
+Bytes are decimal (1 GB = 1e9 bytes), as in the papers we compare against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["GB", "ModelStateBytes", "model_state_bytes", "RECOMPUTE_MODES", "positive_int",
+           "activation_bytes_per_layer", "activation_bytes_model", "MODEL_PRESETS",
+           "PRECISIONS", "OPTIMIZER_STATE", "training_memory", "memory_over_step"]
+
+GB = 1e9  # decimal gigabyte, as in the ZeRO and Megatron papers
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStateBytes:
+    """Per-rank bytes of each part of the model state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def in_gb(self) -> dict[str, float]:
+        return {k: v / GB for k, v in (("params", self.params), ("grads", self.grads),
+                                      ("optimizer", self.optimizer), ("total", self.total))}
+
+
+def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
+                      param_bytes: float = 2, grad_bytes: float = 2,
+                      optimizer_bytes: float = 12) -> ModelStateBytes:
+    """Per-rank bytes of weights, gradients and optimizer state.
+
+    Defaults are mixed-precision Adam: 2 + 2 + 12 = 16 bytes per parameter.
+    ``zero_stage`` 1/2/3 divides the optimizer / + gradients / + weights by ``dp``.
+    """
+    if n_params < 0:
+        raise ValueError(f"n_params must be >= 0, got {n_params}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp (data-parallel ranks) must be a positive int, got {dp!r}")
+    # bool is an int in Python (True == 1): refuse it rather than read True as stage 1
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) \
+            or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be the int 0, 1, 2 or 3, got {zero_stage!r}")
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("optimizer_bytes", optimizer_bytes)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    shard = lambda stage: dp if zero_stage >= stage else 1  # noqa: E731
+    return ModelStateBytes(params=n_params * param_bytes / shard(3),
+                           grads=n_params * grad_bytes / shard(2),
+                           optimizer=n_params * optimizer_bytes / shard(1))
+
+
+# ---------------------------------------------------------------------------
+# Activations: Korthikanti et al. 2022
+# ---------------------------------------------------------------------------
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False,
+                               recompute: str = "none") -> float:
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2).
+
+    16-bit activations, 1-byte dropout masks, s = seq, b = batch (micro-batch),
+    h = hidden, a = heads, t = tp:
+
+        no parallelism               sbh (34 + 5as/h)                 sec. 4.1
+        tensor parallel              sbh (10 + 24/t + 5as/(ht))       sec. 4.2.1
+        tensor + sequence parallel   sbh/t (34 + 5as/h)               sec. 4.2.2
+        TP + selective recompute     sbh (10 + 24/t)                  sec. 5
+        TP + SP + selective          sbh/t * 34                       sec. 5
+        full recompute               2 sbh (the layer input only)     sec. 5
+        full recompute + SP          2 sbh / t    (ours, not Table 2: see below)
+
+    The "10 sbh" outside the tensor-parallel region are the two LayerNorm
+    inputs (4 sbh), the two residual dropout masks (2 sbh) and the inputs of
+    the QKV and first MLP matmuls (4 sbh); sequence parallelism shards them
+    too.
+
+    Full recompute with sequence parallelism deviates from Table 2 on
+    purpose. Table 2 lists 2sbh for full recompute whatever the parallelism,
+    and sec. 5 notes that keeping only a 1/t slice of the input would cost an
+    extra all-gather per layer, so the paper does not count it. With sequence
+    parallelism the layer input already *is* sequence-sharded (it leaves the
+    previous layer's reduce-scatter in pieces of s/t), so keeping it costs
+    2sbh/t and no extra communication; that is what we return.
+    """
+    for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
+                        ("tp", tp)):
+        positive_int(name, value)
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {recompute!r}; choose from {RECOMPUTE_MODES}")
+    if heads % tp:
+        raise ValueError(f"{heads} heads do not divide over tensor-parallel size {tp}")
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"sequence parallel splits the sequence: seq={seq} is not divisible "
+                         f"by tensor-parallel size {tp}")
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attention_scores = 0.0 if recompute == "selective" else 5 * a * s * s * b / t
+    outside = 10 * sbh / (t if sequence_parallel else 1)   # LN inputs, residual masks, ...
+    inside = 24 * sbh / t                                  # Q/K/V, projections, MLP 4h tensors
+    return outside + inside + attention_scores
+
+
+def activation_bytes_model(seq: int, batch: int, hidden: int, heads: int, layers: int, *,
+                           tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                           recompute: str = "none", vocab: int | None = None,
+                           interleave: int = 1) -> float:
+    """Activation bytes on the busiest GPU: the first pipeline stage.
+
+    Korthikanti et al. 2022, sec. 4.2.3: with a 1F1B schedule the first of
+    ``pp`` stages holds ``layers / pp`` layers for ``pp`` micro-batches in
+    flight, i.e. ``layers`` layers' worth, whatever ``pp`` is; the
+    interleaved schedule with ``interleave`` = m chunks per stage multiplies
+    that by (1 + (p - 1) / (p m)).
+
+    Sec. 4.3 adds what lies outside the layers: the embedding's dropout mask,
+    s b h p bytes (p micro-batches in flight; /t only with sequence
+    parallelism), and when there is no pipeline (stage 1 is also the last)
+    the output layer: the final LayerNorm input (2sbh), the output
+    projection's input (2sbh) and the fp32 logits the cross-entropy keeps
+    (4sbv). The paper writes their sum as 4sbh/t (1 + v/h) because it assumes
+    sequence parallelism throughout; without it the two sbh-sized inputs are
+    whole on every tensor-parallel rank and only the logits are split (the
+    output layer and its cross-entropy are vocabulary-parallel), so we use
+    4sbh + 4sbv/t there.
+    """
+    positive_int("layers", layers)
+    positive_int("pp", pp)
+    positive_int("interleave", interleave)
+    if layers % (pp * interleave):
+        raise ValueError(f"{layers} layers do not split over {pp} pipeline stages x "
+                         f"{interleave} interleaved chunks")
+    per_layer = activation_bytes_per_layer(seq, batch, hidden, heads, tp=tp,
+                                           sequence_parallel=sequence_parallel,
+                                           recompute=recompute)
+    factor = 1 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0
+    total = per_layer * layers * factor
+    sbh = seq * batch * hidden
+    total += sbh * pp / (tp if sequence_parallel else 1)     # embedding dropout mask
+    if pp == 1 and vocab is not None:
+        positive_int("vocab", vocab)
+        sv = seq * batch * vocab
+        total += 4 * sbh / (tp if sequence_parallel else 1)   # final LN + projection inputs
+        total += 4 * sv / tp                                   # fp32 logits, vocab-parallel
+    return total
+
+
+# Published shapes for the calculator. Parameter counts are the nominal ones
+# (70e9, as in the "70B -> 1,120 GB" arithmetic). The activation formula is
+# Korthikanti's GPT layer, so the "Llama 2" rows are Llama 2's s/h/a/L/v run
+# through a GPT layer: a 4h GeLU MLP (2 + 8 + 8 + 1 sbh of the 34). Llama 2's
+# own MLP is SwiGLU with three matrices and width 11008 (7B, ~2.7h) or 28672
+# (70B, 3.5h), which saves different tensors, and 70B's grouped-query
+# attention shrinks K and V; neither is modelled here.
+MODEL_PRESETS: dict[str, dict] = {
+    "7B (Llama 2)": dict(n_params=7e9, hidden=4096, heads=32, layers=32, vocab=32000),
+    "70B (Llama 2)": dict(n_params=70e9, hidden=8192, heads=64, layers=80, vocab=32000),
+    "175B (GPT-3)": dict(n_params=175e9, hidden=12288, heads=96, layers=96, vocab=51200),
+}
+
+# bytes per parameter of (weights, gradients, fp32 master copy); optimizer state per param
+PRECISIONS = {"bf16 mixed": (2, 2, 4), "fp32": (4, 4, 0)}
+OPTIMIZER_STATE = {"adam": 8, "sgd+momentum": 4, "sgd": 0}
+
+
+def training_memory(n_params: float, *, seq: int, micro_batch: int, hidden: int, heads: int,
+                    layers: int, vocab: int | None = None, precision: str = "bf16 mixed",
+                    optimizer: str = "adam", zero_stage: int = 0, dp: int = 1, tp: int = 1,
+                    pp: int = 1, sequence_parallel: bool = False,
+                    recompute: str = "none") -> dict[str, float]:
+    """Per-GPU bytes: weights, grads, optimizer state (incl. master copy), activations.
+
+    Model state is split over tp * pp first (each GPU owns a slice of the
+    layers), then ZeRO shards it over dp. Activations follow
+    ``activation_bytes_model`` (16-bit; fp32 training doubles them).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose from {sorted(PRECISIONS)}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATE)}")
+    w, g, master = PRECISIONS[precision]
+    states = model_state_bytes(n_params / (tp * pp), dp=dp, zero_stage=zero_stage, param_bytes=w,
+                               grad_bytes=g, optimizer_bytes=master + OPTIMIZER_STATE[optimizer])
+    act = activation_bytes_model(seq, micro_batch, hidden, heads, layers, tp=tp, pp=pp,
+                                 sequence_parallel=sequence_parallel, recompute=recompute,
+                                 vocab=vocab)
+    act *= 2 if precision == "fp32" else 1
+    return {"weights": states.params, "grads": states.grads, "optimizer": states.optimizer,
+            "activations": act, "total": states.total + act}
+
+
+def memory_over_step(budget: dict[str, float], layers: int) -> list[tuple[str, dict[str, float]]]:
+    """Live bytes of each part at each point of one training step, from a
+    ``training_memory`` budget: the parts are not all alive at once.
+
+    * start: weights and optimizer state; no gradients, since the previous
+      step's ``zero_grad(set_to_none=True)`` (PyTorch's default) freed them;
+    * forward, after layer i of ``layers``: i / layers of the activations;
+    * backward, after layer i from the top: the activations of the layers
+      not yet reached, plus the gradients of the layers already done (a layer's
+      saved tensors are freed by its backward, its gradients appear there);
+    * optimizer step: weights, gradients and optimizer state;
+    * after zero_grad: back to the start.
+
+    Within backward the live total is linear in i, so the peak is
+    weights + optimizer + max(activations, gradients), not the sum of all four
+    parts. A model, not a measurement: it leaves out temporaries (a layer's
+    backward workspace, the logits, Adam's update buffers), the CUDA context and
+    fragmentation, and ZeRO-2/3's full-size gradient buckets before their
+    reduce-scatter; ``torch.cuda.max_memory_allocated`` sees those too.
+    """
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be a positive int, got {layers!r}")
+    w, g, o, a = (float(budget[k]) for k in ("weights", "grads", "optimizer", "activations"))
+    points = [("start", {"weights": w, "grads": 0.0, "optimizer": o, "activations": 0.0})]
+    for i in range(1, layers + 1):
+        points.append((f"forward {i}", {"weights": w, "grads": 0.0, "optimizer": o,
+                                        "activations": a * i / layers}))
+    for i in range(1, layers + 1):
+        points.append((f"backward {i}", {"weights": w, "grads": g * i / layers, "optimizer": o,
+                                         "activations": a * (layers - i) / layers}))
+    points.append(("optimizer step", {"weights": w, "grads": g, "optimizer": o, "activations": 0.0}))
+    points.append(("after zero_grad", dict(points[0][1])))
+    return points
