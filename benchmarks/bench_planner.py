@@ -42,7 +42,7 @@ def _gpus(text: str) -> list[int]:
 
 
 def _cold_plan(gpus: int) -> tuple[float, float, planner.Ranking]:
-    for cached in (planner._affine, planner._state, planner._activations):
+    for cached in (planner.cost._affine, planner.cost._state, planner.cost._activations):
         cached.cache_clear()
     wall, cpu = time.perf_counter(), time.process_time()
     p = planner.plan(MODEL, 1024, planner.H100_80GB, h100_cluster(gpus // 8))

@@ -121,9 +121,9 @@ def test_full_recompute_leaves_the_output_layer_alone():
     """Narayanan et al. 2021, eq. 3: with full recompute the layers run 4 passes but
     the output layer 3 (its V/16lh term is 6 B s h V): the extra forward covers the
     layers only, so the factor is below 4/3."""
-    planner = sys.modules["helpers.planner"]
+    cost = sys.modules["helpers.planner.cost"]
     m = GPT3
-    full = planner._recompute_factor(m, "full")
+    full = cost._recompute_factor(m, "full")
     layers = m.forward_flops_per_token() - 2 * m.hidden * m.vocab
     assert full == pytest.approx(1 + layers / (3 * m.forward_flops_per_token()), rel=REL)
     assert full < 4 / 3

@@ -20,8 +20,9 @@ import pytest
 
 from helpers.memory import training_memory
 from helpers.pipeline.partition import pipeline_step_time
-from helpers.planner import (A100_80GB, H100_80GB, TERMS, Layout, ModelSpec, _affine, _coll,
-                             evaluate, flops_per_token, ladder, plan, structures)
+from helpers.planner import (A100_80GB, H100_80GB, TERMS, Layout, ModelSpec, evaluate,
+                             flops_per_token, ladder, plan, structures)
+from helpers.planner.cost import _affine, _coll
 from helpers.topology import a100_cluster, collective_cost, h100_cluster, pcie_cluster
 from helpers.tp.cost import tp_layer_comm_time, tp_layer_compute_time
 
