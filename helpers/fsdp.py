@@ -66,11 +66,26 @@ The optimizer is PyTorch's own: each unit's shard is an ``nn.Parameter``
 updates exactly the elements this rank owns. Padding stays zero. Clip with
 ``fsdp.clip_grad_norm_(max_norm)``, not torch's: the norm of the whole
 gradient needs every rank's chunks (one all-reduce of the squared norms).
-The model's own parameters get no ``.grad``: ``sharded_grads()`` gives each
-parameter's gradient as this rank holds it, a 1-D view into the shard's
-gradient covering the part of the flattened parameter in this rank's chunk
-(FSDP1's ``use_orig_params`` views; FSDP2 gives a DTensor sharded along dim
-0); ``full_grads()`` all-gathers them into full shapes, for inspection.
+
+**The model's own parameters** (FSDP1's ``use_orig_params=True``): while its
+unit is gathered (its forward and backward), a parameter is its full-shape
+window into the gathered buffer, in ``param_dtype``, with no ``.grad`` (the
+gradient autograd accumulates there is full-size and is reduce-scattered
+away). Otherwise, from the wrap on and whenever ``backward()`` has returned,
+it is *this rank's piece*: ``p.data`` a 1-D view of the elements of the
+flattened parameter that fall in this rank's chunk of the unit's shard (the
+fp32 master weights, updated in place by the optimizer; maybe 0 elements),
+and ``p.grad`` the matching view of ``shard.grad`` (fp32 under mixed
+precision), so ``p.grad.shape == p.data.shape``. Hence ``p.shape`` outside
+a unit's run is the piece's, not the parameter's: ``u.shapes`` keeps the
+real ones. FSDP2 gives a DTensor instead, of full logical shape, whose
+local part is a dim-0 shard. Writing into a ``.grad`` view changes what the
+optimizer sees; dropping every ``.grad`` (``model.zero_grad()``) drops the
+gradient at the unit's next gather, as FSDP1 writes back its parameters'
+gradients; ``optimizer.zero_grad()`` clears the shards, and the views
+follow at the next forward. ``sharded_grads()`` gives the same views, by
+name with their offsets; ``full_grads()`` all-gathers them into full
+shapes, for inspection.
 
 **Mixed precision** (FSDP2's ``MixedPrecisionPolicy``; Micikevicius et al.
 2018, "Mixed Precision Training", sec. 3.1): with ``param_dtype=torch.bfloat16``
@@ -221,6 +236,8 @@ class _Unit(UnitBuffer):
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter],
                  shard_world: int, shard_rank: int):
         self.name, self.module, self.params = name, module, params
+        # the parameters' own shapes: outside the unit's run p.shape is this rank's piece
+        self.shapes = [p.shape for p in params]
         self.part = FlatPartition([p.numel() for p in params], shard_world,
                                   [list(range(len(params)))])
         b = self.part.buckets[0]
@@ -238,6 +255,16 @@ class _Unit(UnitBuffer):
             p.data = seg.view_as(p)  # p is now a window into `full`
         self.shard = nn.Parameter(torch.zeros(b.chunk, dtype=dtype, device=device))  # (padded / S,)
         self.rank = shard_rank
+        # This rank's piece of each parameter: pieces[i] = (a, e) where shard[a:e]
+        # holds its flattened elements [lo_mine + a - off, lo_mine + e - off)
+        # (a == e: the parameter lies wholly in other ranks' chunks).
+        lo_mine = shard_rank * b.chunk  # where this rank's chunk starts in `full`
+        self.pieces = []
+        for p, off in zip(params, b.offsets):
+            lo = min(max(off, lo_mine), off + p.numel())          # the parameter's elements
+            hi = max(min(off + p.numel(), lo_mine + b.chunk), lo)  # in this chunk
+            self.pieces.append((lo - lo_mine, hi - lo_mine))
+        self.views_of = None  # the shard.grad the parameters' .grad are views of
         self.ready = 0       # parameters whose gradient arrived in this backward
         self.reduced = False
         self.grad_chunk = None  # this rank's averaged gradient chunk, once reduced
@@ -365,11 +392,10 @@ class FSDP(nn.Module):
         c = u.bucket.chunk
         u.shard.data.copy_(u.full[u.rank * c:(u.rank + 1) * c])
         if self.param_dtype not in (None, u.shard.dtype):
-            # the gathered buffer, and so every parameter view, in param_dtype
+            # the gathered buffer in param_dtype (each gather makes the windows into it)
             u.full = torch.empty(u.full.numel(), dtype=self.param_dtype, device=u.full.device)
-            for p, off in zip(u.params, u.bucket.offsets):
-                p.data = u.full[off:off + p.numel()].view(p.shape)
         u.free()  # gathered only while the unit runs
+        self._shard_views(u)
         return u
 
     def _all_units(self) -> list[_Unit]:
@@ -387,15 +413,15 @@ class FSDP(nn.Module):
         gradient. Returns the model, which trains on its own or can be wrapped
         again. Collective (it all-gathers the shards)."""
         full = self.full_parameters()
-        for name, p in self.module.named_parameters():
-            if name in full:
-                p.data = full[name]
-                p.grad = None
         for h in self._handles:
             h.remove()
         self._handles = []
         for u in self._all_units():
             self._free(u)
+        for name, p in self.module.named_parameters():
+            if name in full:
+                p.grad = None
+                p.data = full[name]
         for m in [self.module] + [u.module for u in self.units]:
             m.__dict__.pop(_WRAPPED, None)
         return self.module
@@ -420,6 +446,7 @@ class FSDP(nn.Module):
         # bytes on the wire in bf16.
         chunk = u.shard.detach().to(u.full.dtype)
         start_gather([u], [chunk], self.shard_group, self.S, self.timeline, f"all-gather {u.name}")
+        self._full_views(u)  # (its storage is allocated now; the weights land later)
         if not async_op:
             u.wait()
 
@@ -431,6 +458,48 @@ class FSDP(nn.Module):
         if u.gathered:
             self._gathered_now -= u.full.numel() * u.full.element_size()
         u.free()  # (waits first for a gather still writing into it)
+        self._shard_views(u)
+
+    # ------------------------------------------------------------ the parameters' views
+    # What a parameter of the model is (see "The model's own parameters" above):
+    # a window into the gathered buffer while its unit runs, else this rank's
+    # piece of the shard, with the matching piece of shard.grad as its .grad.
+
+    def _full_views(self, u: _Unit) -> None:
+        """The unit is about to be gathered: each parameter becomes its full-shape
+        window into ``u.full``, with no ``.grad`` (backward accumulates a full one)."""
+        self._write_back_grads(u)
+        for p, off, shape in zip(u.params, u.bucket.offsets, u.shapes):
+            p.grad = None  # the gradient lives on in u.shard.grad
+            p.data = u.full[off:off + shape.numel()].view(shape)
+        u.views_of = None
+
+    def _shard_views(self, u: _Unit) -> None:
+        """The unit is freed: each parameter becomes this rank's piece of the shard,
+        its ``.grad`` the same piece of ``shard.grad`` (None if that is None)."""
+        self._write_back_grads(u)
+        g = u.shard.grad
+        for p, (a, e) in zip(u.params, u.pieces):
+            p.grad = None  # first: .grad must match .data's shape and dtype when set
+            p.data = u.shard.detach()[a:e]
+            p.grad = None if g is None else g[a:e]
+        u.views_of = g
+
+    @staticmethod
+    def _write_back_grads(u: _Unit) -> None:
+        """A user who set the parameters' ``.grad`` to None (``model.zero_grad()``)
+        meant to drop those gradients: zero their pieces of ``shard.grad``, or drop
+        it whole if every piece went. Only if ``shard.grad`` is still the tensor the
+        views were made of: once the optimizer or backward replaced it, it wins."""
+        g = u.shard.grad
+        if g is None or g is not u.views_of:
+            return
+        dropped = [(a, e) for p, (a, e) in zip(u.params, u.pieces) if p.grad is None]
+        if len(dropped) == len(u.params):
+            u.shard.grad = None
+        else:
+            for a, e in dropped:
+                g[a:e].zero_()
 
     def _wait(self, work, name) -> None:
         wait_comm(self.timeline, work, name)
@@ -517,9 +586,9 @@ class FSDP(nn.Module):
         # gradients' dtype, that of the gathered weights); padding stays 0
         buf = torch.zeros(b.padded, dtype=self.reduce_dtype or u.full.dtype,
                           device=u.shard.device)
-        for p, off in zip(u.params, b.offsets):
+        for p, off, shape in zip(u.params, b.offsets, u.shapes):
             if p.grad is not None:
-                buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                buf[off:off + shape.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         buf.div_(self.S * self.R)  # mean over every data-parallel rank
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)  # (padded / S,)
@@ -646,24 +715,23 @@ class FSDP(nn.Module):
         falls in this rank's chunk, as a 1-D *view* into its unit's
         ``shard.grad`` (in the shards' dtype: fp32 master gradients under mixed
         precision). Writing into a view changes what the optimizer sees. This
-        is FSDP1's ``use_orig_params=True`` view; FSDP2 gives each parameter a
-        DTensor gradient sharded along dim 0 instead. A slice may be empty (the
-        parameter lies in other ranks' chunks); ignored parameters give their
-        whole (averaged, replicated) gradient. ``grad`` is None before the
-        first backward and after ``zero_grad()``. Not collective."""
+        is FSDP1's ``use_orig_params=True`` view, the same piece that each
+        parameter's own ``.grad`` is after backward (see the module docstring);
+        FSDP2 gives each parameter a DTensor gradient sharded along dim 0
+        instead. A slice may be empty (the parameter lies in other ranks'
+        chunks); ignored parameters give their whole (averaged, replicated)
+        gradient. ``grad`` is None before the first backward and after
+        ``zero_grad()``. Not collective."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {}
         for p in self._ignored:
             g = None if p.grad is None else p.grad.view(-1)
             out[names[id(p)]] = GradShard(0, g)
         for u in self._all_units():
-            c = u.bucket.chunk
-            lo_mine, hi_mine = u.rank * c, (u.rank + 1) * c  # this rank's part of the flat buffer
-            for p, off in zip(u.params, u.bucket.offsets):
-                lo = min(max(off, lo_mine), off + p.numel())  # this parameter's elements
-                hi = max(min(off + p.numel(), hi_mine), lo)  # in the chunk (maybe none)
-                g = None if u.shard.grad is None else u.shard.grad[lo - lo_mine:hi - lo_mine]
-                out[names[id(p)]] = GradShard(lo - off, g)
+            lo_mine = u.rank * u.bucket.chunk  # where this rank's chunk starts in the flat buffer
+            for p, off, (a, e) in zip(u.params, u.bucket.offsets, u.pieces):
+                g = None if u.shard.grad is None else u.shard.grad[a:e]
+                out[names[id(p)]] = GradShard(lo_mine + a - off, g)
         return out
 
     @torch.no_grad()
@@ -682,8 +750,8 @@ class FSDP(nn.Module):
                 all_gather(full, u.shard.grad.detach(), group=self.shard_group)
             else:
                 full.copy_(u.shard.grad)
-            for p, off in zip(u.params, u.bucket.offsets):
-                out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
+            for p, off, shape in zip(u.params, u.bucket.offsets, u.shapes):
+                out[names[id(p)]] = full[off:off + shape.numel()].view(shape).clone()
         return out
 
     @torch.no_grad()
@@ -702,6 +770,6 @@ class FSDP(nn.Module):
                 all_gather(full, u.shard.detach(), group=self.shard_group)
             else:
                 full.copy_(u.shard.detach())
-            for p, off in zip(u.params, u.bucket.offsets):
-                out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
+            for p, off, shape in zip(u.params, u.bucket.offsets, u.shapes):
+                out[names[id(p)]] = full[off:off + shape.numel()].view(shape).clone()
         return out

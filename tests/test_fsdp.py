@@ -473,6 +473,62 @@ def test_mixed_precision_equals_fsdp2(reduce_dtype):
         assert torch.equal(flat.view(full.shape), full), n
 
 
+def test_parameters_grad_views_through_steps_zero_grad_and_unwrap():
+    """World size 1, against the same model trained alone (bitwise: the same
+    kernels, nothing reduced; see test_world_size_one_and_grid). Outside a
+    unit's run each parameter is its piece of the shard (here the whole
+    parameter, flattened) and its .grad the same piece of shard.grad:
+    accumulated over two backwards, updated by the optimizer in place,
+    dropped by model.zero_grad() (written back at the next gather, as FSDP1
+    does) and by optimizer.zero_grad() (the views follow at the next forward)."""
+    model, ref = build_model("toy", seed=0), build_model("toy", seed=0)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    f = FSDP(model)
+    opt = torch.optim.AdamW(f.parameters(), lr=LR, foreach=False)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    params, refs = dict(model.named_parameters()), dict(ref.named_parameters())
+
+    def same(what, grads=True):
+        for n, p in params.items():
+            assert p.data.shape == (shapes[n].numel(),), (what, n)
+            want = refs[n].grad if grads else refs[n].detach()
+            got = p.grad if grads else p.data
+            if want is None:
+                assert got is None, (what, n)
+            else:
+                assert got.shape == p.data.shape and torch.equal(got, want.reshape(-1)), (what, n)
+
+    same("wrapped: the weights, no gradient", grads=False)
+    same("wrapped: no gradient")
+    for m in (f, ref):
+        m(x, x)[1].backward()
+    same("one backward")
+    for m in (f, ref):
+        m(x, x)[1].backward()
+    same("two backwards, accumulated")
+    opt.step(); ropt.step()
+    same("after step: the updated weights", grads=False)
+    params["wte.weight"].grad = None  # dropped for one parameter: zeroed, the rest accumulate
+    refs["wte.weight"].grad = None
+    for m in (f, ref):
+        m(x, x)[1].backward()
+    same("one parameter's .grad set to None, then backward")
+    model.zero_grad(); ref.zero_grad()  # every .grad dropped
+    for m in (f, ref):
+        m(x, x)[1].backward()
+    same("model.zero_grad(), then backward")
+    opt.zero_grad(); ropt.zero_grad()   # the shards' gradients dropped
+    f(x, x)
+    assert all(p.grad is None for p in params.values())  # after the forward, the views follow
+    for m in (f, ref):
+        m(x, x)[1].backward()
+    same("optimizer.zero_grad(), then backward")
+    f.unwrap()
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_bad_policy_and_ignored_params_refused():
     with pytest.raises(ValueError, match="param_dtype must be a floating-point"):
         FSDP(build_model("toy"), param_dtype=torch.int8)
@@ -615,6 +671,81 @@ def test_world_size_one_on_gpu_with_nccl():
     # rounding only, so the same bound as the CPU runs (_check_against_single)
     assert floor < 0.05 * 1e-2, floor
     assert err <= 4 * floor, (err, floor)
+
+
+def _single_grads(x, y, dtype):
+    """The reference gradient: one process, the global batch, in ``dtype``."""
+    model = build_model("toy", seed=0).to(dtype)
+    model(x, y)[1].backward()
+    return {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def _orig_param_grads():
+    """One backward of our FSDP on this rank's slice of a global batch, in fp32
+    and with bf16 compute (fp32 reduction): each parameter's own .grad and
+    .data, where sharded_grads() says they start in the flattened parameter,
+    and the single process's gradients (fp64; fp32 or bf16) and weights."""
+    r = rank_info()
+    N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
+    x, y = make_dataset(num_sequences=64, seq_len=16).batch(list(range(B * N)))
+    out = {"ref64": _single_grads(x, y, torch.float64),
+           "weights": {n: p.detach() for n, p in build_model("toy", seed=0).named_parameters()}}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model("toy", seed=0)
+        mixed = dtype != torch.float32
+        f = FSDP(model, param_dtype=dtype if mixed else None,
+                 reduce_dtype=torch.float32 if mixed else None)
+        loss = f(x[lo:hi], y[lo:hi])[1]
+        loss.backward()
+        starts = {n: s.start for n, s in f.sharded_grads().items()}
+        out[dtype] = dict(
+            loss_dtype=loss.dtype, ref=_single_grads(x, y, dtype),
+            local=_single_grads(x[lo:hi], y[lo:hi], dtype),  # a wrong answer: not averaged
+            params={n: (p.requires_grad, p.data.clone(),
+                        None if p.grad is None else p.grad.clone(), starts[n])
+                    for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_parameters_grad_after_backward_is_this_ranks_piece(ranks):
+    """What a suite written for FSDP1 (use_orig_params=True) reads: after
+    backward every trainable parameter of the wrapped model has a .grad of
+    the shape of its .data (this rank's 1-D piece of the flattened parameter;
+    3 ranks: uneven pieces, some empty), fp32 under bf16 compute, equal to
+    that piece of one process's gradient on the global batch, within rounding:
+    no further from float64 than the single process's own gradient in the same
+    compute dtype is, times 4 (as _check_against_single; measured <= 1x at 2
+    and 3 ranks). This rank's own gradient, not averaged, is ~0.2 away: 30x
+    the bf16 bound, 10^6 x the fp32 one.
+    The pieces of all ranks tile each parameter, and .data is the same piece
+    of the fp32 weights (the master weights, before any step)."""
+    results = launch(_orig_param_grads, ranks, timeout=120)
+    ref64, weights = results[0]["ref64"], results[0]["weights"]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert results[0][dtype]["loss_dtype"] == dtype  # bf16: the compute ran in bf16
+        floor = max((g - ref64[n]).abs().max().item()
+                    for n, g in results[0][dtype]["ref"].items())
+        for n, want in ref64.items():
+            covered = torch.zeros(want.numel(), dtype=torch.int)
+            for rank_res in results:
+                requires_grad, data, grad, start = rank_res[dtype]["params"][n]
+                assert requires_grad and grad is not None, (dtype, n)
+                assert grad.shape == data.shape and data.dim() == 1, (dtype, n)
+                assert grad.dtype == data.dtype == torch.float32, (dtype, n)
+                k = grad.numel()
+                piece = slice(start, start + k)
+                err = (grad.double() - want.reshape(-1)[piece]).abs().max().item() if k else 0.0
+                assert err <= 4 * floor, (dtype, n, err, floor)
+                assert torch.equal(data, weights[n].reshape(-1)[piece]), (dtype, n)
+                covered[piece] += 1
+            assert (covered == 1).all(), (dtype, n)  # every element on exactly one rank
+        wrong = max((g - ref64[n]).abs().max().item()
+                    for n, g in results[0][dtype]["local"].items())
+        assert wrong > 4 * floor, (dtype, wrong, floor)  # the bound would catch it
+    if ranks == 3:  # the toy's parameters do not split evenly over 3 ranks
+        assert any(grad.numel() == 0 for rank_res in results
+                   for _, _, grad, _ in rank_res[torch.float32]["params"].values())
 
 
 # Last: 3 and 4 ranks start new pools of ranks; the 2-rank tests above share one.

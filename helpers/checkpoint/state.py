@@ -232,10 +232,10 @@ def fsdp_ranges(fsdp, saving: bool = False):
     for u in fsdp._all_units():
         c = u.bucket.chunk
         base = u.rank * c  # where this rank's chunk starts in the unit's flat buffer
-        for p, off in zip(u.params, u.bucket.offsets):
-            lo, hi = max(off, base), min(off + p.numel(), base + c)
+        for p, off, shape in zip(u.params, u.bucket.offsets, u.shapes):  # p.shape: its piece
+            lo, hi = max(off, base), min(off + shape.numel(), base + c)
             if lo < hi:
-                out.append((names[id(p)], p.shape, lo - off, hi - off, u.shard, lo - base))
+                out.append((names[id(p)], shape, lo - off, hi - off, u.shard, lo - base))
     return out
 
 
