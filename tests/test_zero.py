@@ -346,9 +346,9 @@ def _stage3_knobs(prefetch, reuse, reduce):
             model(x[lo:hi], y[lo:hi])[1].backward()
             opt.step()
             opt.zero_grad()
-        held = sum(t.untyped_storage().nbytes() > 0 for t in opt.unit_full)
+        held = sum(u.full.untyped_storage().nbytes() > 0 for u in opt.units)
         comms = sum(e["lane"] == "comm" for e in tl.events)  # in the last step
-        runs.append(dict(comms=comms, units=len(opt.unit_full), held=held,
+        runs.append(dict(comms=comms, units=len(opt.units), held=held,
                          comm=opt.comm_bytes()["total"], full=opt.full_parameters()))
     plain, knobs = runs
     diff = max((plain["full"][n] - knobs["full"][n]).abs().max().item() for n in plain["full"])

@@ -205,7 +205,7 @@ def load_zero_state(opt, state: dict) -> None:
             opt.param_shard[at:at + n].copy_(w)  # (rounded to bf16/fp16 in those modes)
     if opt.stage == 3:
         for bi in range(len(opt.units)):
-            opt.free_unit(bi)  # a unit gathered before the load holds the old weights
+            opt.units[bi].free()  # a unit gathered before the load holds the old weights
     opt.step_count = int(state["step_count"])
     opt.param_steps[:] = [int(n) for n in state["param_steps"]]
 

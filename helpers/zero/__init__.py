@@ -132,7 +132,7 @@ Where to read what (each file stands on its own)
 * ``adamw.py``: the one AdamW update every stage applies to its chunks.
 * ``base.py``: ``ZeroOptimizer``, what all stages share (step, clipping,
   unused parameters, measurements); ``ZeroOptimizer(model, stage)`` returns
-  the stage's class.
+  the stage's class, looked up in ``STAGE_CLASSES``, which this file fills.
 * ``stages.py``: stages 0, 1, 2, each a short class.
 * ``reduce_in_backward.py``: stages 2-3's reduce-scatter during backward.
 * ``stage3.py``: stage 3's units, gathered and freed around each module.
@@ -143,11 +143,15 @@ Where to read what (each file stands on its own)
 
 from helpers.comm import all_gather, reduce_scatter, ring_bytes_sent
 from helpers.zero.adamw import adamw_update
-from helpers.zero.base import PRECISIONS, ZeroOptimizer
+from helpers.zero.base import PRECISIONS, STAGE_CLASSES, ZeroOptimizer
 from helpers.zero.partition import Bucket, FlatPartition, size_buckets
 from helpers.zero.sharded import ShardedOptimizer
 from helpers.zero.stage3 import LEAF_MODULES, ZeroStage3
 from helpers.zero.stages import ZeroStage0, ZeroStage1, ZeroStage2
+
+# The stage dispatch: ZeroOptimizer(model, stage) returns an instance of this
+# stage's class (base.py imports no stage, so no import runs in a circle).
+STAGE_CLASSES.update({0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3})
 
 __all__ = ["ZeroOptimizer", "ShardedOptimizer", "FlatPartition", "Bucket", "size_buckets",
            "ring_bytes_sent", "adamw_update", "reduce_scatter", "all_gather", "PRECISIONS",

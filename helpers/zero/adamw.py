@@ -3,7 +3,9 @@
 Each rank applies it to the chunks it owns (stage 0: to everything). AdamW is
 elementwise, so updating a chunk of a parameter gives the same numbers as
 updating the whole parameter and keeping that chunk: that is why sharding the
-optimizer state changes nothing in the result.
+optimizer state changes nothing in the result. The update is AdamW's
+(Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", Alg. 2)
+in ``torch.optim.AdamW``'s order of operations (its ``foreach=False`` path).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ A stage is a subclass that says four things (read them in ``stages.py`` and
 
 ``step()`` is the same for all of them: averaged gradient chunks, one AdamW
 update of the chunks this rank owns (``adamw.adamw_update``), publish the new
-weights, clear the gradients. ``ZeroOptimizer(model, stage)`` picks the class.
+weights, clear the gradients. ``ZeroOptimizer(model, stage)`` picks the class
+from ``STAGE_CLASSES``, which ``helpers/zero/__init__.py`` fills, so this
+module imports no stage. Follows ZeRO (Rajbhandari et al. 2020, sec. 5).
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ from helpers.memory import ModelStateBytes
 from helpers.zero.adamw import adamw_update, check_betas
 from helpers.zero.partition import Bucket, FlatPartition
 
-__all__ = ["ZeroOptimizer", "PRECISIONS"]
+__all__ = ["ZeroOptimizer", "PRECISIONS", "STAGE_CLASSES"]
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# stage -> its class, for ``ZeroOptimizer(model, stage)``. This module knows no
+# stage: ``helpers/zero/__init__.py`` imports the stage classes (``stages.py``,
+# ``stage3.py``, which import this module) and fills the table.
+STAGE_CLASSES: dict[int, type] = {}
 
 
 class ZeroOptimizer:
@@ -53,13 +60,10 @@ class ZeroOptimizer:
     """
 
     def __new__(cls, model=None, stage=None, *args, **kwargs):
-        if cls is ZeroOptimizer:  # the factory: one class per stage
-            from helpers.zero.stage3 import ZeroStage3
-            from helpers.zero.stages import ZeroStage0, ZeroStage1, ZeroStage2
-            classes = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
-            if stage not in classes:
+        if cls is ZeroOptimizer:  # the factory: one class per stage, from STAGE_CLASSES
+            if stage not in STAGE_CLASSES:
                 raise ValueError(f"stage must be 0 (DP), 1, 2 or 3, got {stage!r}")
-            cls = classes[stage]
+            cls = STAGE_CLASSES[stage]
         return super().__new__(cls)
 
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-3,

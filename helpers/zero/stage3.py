@@ -121,26 +121,21 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
         self._install_grad_hooks()
         self._init_trace()
 
-    @property
-    def unit_full(self) -> list[torch.Tensor]:
-        """Each unit's full flat buffer (0 bytes of storage while freed)."""
-        return [u.full for u in self.units]
-
     def _weight_tensors(self):
-        return [self.param_shard] + self.unit_full
+        return [self.param_shard] + [u.full for u in self.units]
 
     # ------------------------------------------------------------ gather/free
     def _gather_units(self, units: list[int]):
         def gather(*args):  # forward pre-hook (args, kwargs) or backward (no args)
             for bi in units:
-                self.gather_unit(bi)
+                self._gather_unit(bi)
         return gather
 
     def _release_units(self, units: list[int]) -> None:
         for bi in units:
             self._release(bi)
 
-    def gather_unit(self, bi: int) -> None:
+    def _gather_unit(self, bi: int) -> None:
         """A module needs unit ``bi``'s full weights: make sure they are there,
         then (with prefetch on) start gathering the units the trace says come next."""
         upcoming = self._follow_trace(bi)
@@ -164,10 +159,7 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
     def _release(self, bi: int) -> None:
         """A module is done with unit bi: free it, unless it is needed again soon."""
         if not self._reused_soon(bi):
-            self.free_unit(bi)
-
-    def free_unit(self, bi: int) -> None:
-        self.units[bi].free()  # (waits first for a gather still writing into it)
+            self.units[bi].free()  # (waits first for a gather still writing into it)
 
     def _bucket_done(self, bi: int) -> None:
         self._release(bi)  # the unit's gradients are sent: its weights can go
@@ -177,7 +169,7 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
         # Weights gathered ahead of a request that never came would be stale
         # after this update: drop them. The trace is complete after step 1.
         for bi in range(len(self.partition.buckets)):
-            self.free_unit(bi)
+            self.units[bi].free()
         self._restart_trace()
 
     @torch.no_grad()
@@ -190,5 +182,5 @@ class ZeroStage3(ReduceScatterInBackward, PrefetchMixin, ZeroOptimizer):
             for p in self.params:
                 p.data = p.detach().clone()  # out of the unit's storage, which is freed
             for bi in range(len(self.partition.buckets)):
-                self.free_unit(bi)
+                self.units[bi].free()
         super().remove_hooks()
