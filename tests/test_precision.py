@@ -269,7 +269,7 @@ def test_emulated_gemm_matches_scaled_mm(monkeypatch):
     sa, sb = torch.tensor(4.0), torch.tensor(2.0)
     FP8_GEMM.clear()
     real = fp8_gemm(a8, b8, sa, sb, torch.float32)
-    monkeypatch.setitem(prec._SCALED_MM_OK, "cpu", False)     # force the emulation
+    monkeypatch.setitem(prec.scaled_mm._SCALED_MM_OK, "cpu", False)     # force the emulation
     emulated = fp8_gemm(a8, b8, sa, sb, torch.float32)
     assert FP8_GEMM == {"scaled_mm": 1, "emulated": 1}        # one of each really ran
     # products of FP8 values are exact in fp32; only the order of the 64-term
