@@ -22,8 +22,27 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
    bucket's all-reduce is *launched asynchronously*; autograd keeps computing
    the earlier layers' gradients meanwhile. That is the overlap.
 4. **In order.** Buckets are launched strictly in bucket order (bucket 2
-   waits for bucket 1 even if it was ready first): collectives must be issued
-   in the same order on every rank or they pair up wrongly and hang.
+   waits for bucket 1 even if it was ready first). Why: the order in which
+   gradients become ready is *not* the same on every rank (a forward that
+   branches on the data, a parameter unused on some ranks), but collectives
+   are paired by the order they are issued in: if rank 0 issues bucket A's
+   all-reduce while rank 1 issues bucket B's, gloo hands B's bytes to A's
+   buffer and aborts the process ("Received data size doesn't match expected
+   size", SIGABRT), or NCCL hangs. The bucket index is the same on every rank,
+   so the launch order is too, whatever the timing of the hooks. torch's DDP
+   does the same: its C++ Reducer launches ``buckets_[next_bucket_]`` while
+   it is complete (``Reducer::mark_bucket_ready``), and torch 2.13's
+   ``distributed.py`` says of it "Schedule comm in the same order as Reducer
+   schedules them, i.e. the order of the buckets". ``launch_bucket`` checks
+   it, so a reducer that launches out of order (a subclass, an exercise)
+   stops with an error on the rank that did it, before its collective
+   reaches gloo. Hooks can also fire on *two threads at once*: autograd
+   runs each device's part of backward on its own thread (CPU on the thread
+   that called ``backward()``, each GPU on one of its own), so a model spread
+   over devices reports gradients concurrently. The counting and launching
+   are therefore done under a lock, as the Reducer's ``autograd_hook`` does
+   under its ``mutex_``; otherwise two threads could both see bucket 0
+   complete and not yet launched, and launch it twice.
 5. **End of backward.** A callback queued on the autograd engine runs when
    backward finishes, before ``loss.backward()`` returns: it launches
    whatever is left, waits for every bucket, and copies the averaged flat
@@ -99,6 +118,7 @@ of a trace or a profile sees:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -192,6 +212,12 @@ class BucketedDDP(nn.Module):
     the list of {"bucket", "event", "t"} of the last synchronized backward,
     events "ready" / "launched" / "finished", t from ``time.perf_counter()``.
     """
+
+    # Held while a hook counts and launches, and while finish_backward runs: hooks
+    # may come from several autograd threads (module docstring, point 4). One lock
+    # for the whole process, shared by every instance: collectives are issued one
+    # at a time whichever wrapper issues them (and a deepcopy still works).
+    _lock = threading.RLock()
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
                  process_group=None, comm_hook: Callable | None = None,
@@ -287,6 +313,7 @@ class BucketedDDP(nn.Module):
         self.pending = [len(b) for b in self.buckets]  # gradients still missing per bucket
         self.next_bucket = 0                             # first bucket not launched yet
         self.futures: list = [None] * len(self.buckets)
+        self._n_launched = 0  # launch_bucket's own count, to check the order
         self._locally_used = [True] * len(self.params)
 
     def _abandon_backward(self) -> None:
@@ -312,11 +339,13 @@ class BucketedDDP(nn.Module):
 
     def _hook(self, param: nn.Parameter) -> None:
         # Called by autograd with the *parameter* (not the gradient): read param.grad.
-        if not self._expect_hooks:
-            return  # forward ran inside no_sync() (or not through us): accumulate locally
-        if not self._in_backward:
-            self._begin_backward()
-        self.on_grad_ready(param)
+        # Possibly on several threads at once (docstring, point 4): one at a time.
+        with self._lock:
+            if not self._expect_hooks:
+                return  # forward ran inside no_sync() (or not through us): accumulate locally
+            if not self._in_backward:
+                self._begin_backward()
+            self.on_grad_ready(param)
 
     def _begin_backward(self) -> None:
         self._in_backward = True
@@ -344,7 +373,18 @@ class BucketedDDP(nn.Module):
 
     def launch_bucket(self, b: int) -> None:
         """Copy bucket ``b``'s gradients into its flat buffer and start its all-reduce
-        (through ``comm_hook``); ``self.futures[b]`` resolves to the averaged buffer."""
+        (through ``comm_hook``); ``self.futures[b]`` resolves to the averaged buffer.
+
+        Buckets must go in the order 0, 1, 2, ... on every rank (docstring,
+        point 4): anything else is refused here, before a collective is issued."""
+        if b != self._n_launched:
+            raise RuntimeError(
+                f"bucket {b} launched after {self._n_launched} bucket(s) of this backward: "
+                f"buckets must be launched in the order 0, 1, 2, ..., each once, on every "
+                f"rank (launch_ready_buckets: the next bucket only, while it is complete). "
+                f"Launched in the order gradients arrive, ranks issue their all-reduces in "
+                f"different orders and gloo pairs different buckets (size mismatch, SIGABRT).")
+        self._n_launched += 1
         flat = self._flat[b]
         for p, start, end in self.layout[b]:
             if p.grad is None:  # no gradient on this rank this step: contributes zero
@@ -362,11 +402,12 @@ class BucketedDDP(nn.Module):
         self.futures[b] = fut.then(finished)
 
     def _finalize(self) -> None:
-        try:
-            self.finish_backward()
-        finally:
-            self._in_backward = False
-            self._expect_hooks = False  # the next reduction needs a new forward
+        with self._lock:
+            try:
+                self.finish_backward()
+            finally:
+                self._in_backward = False
+                self._expect_hooks = False  # the next reduction needs a new forward
 
     def finish_backward(self) -> None:
         """End of backward (queued on the autograd engine): launch what is left,

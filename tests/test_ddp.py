@@ -2,6 +2,8 @@
 
 import copy
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch.nn as nn
 
 from helpers import launch, rank_info
 from helpers.data import make_dataset
-from helpers.ddp import BucketedDDP, assign_buckets, ring_allreduce_hook
+from helpers.ddp import BucketedDDP, assign_buckets, completed_future, ring_allreduce_hook
 from helpers.model import build_model
 from helpers.tolerance import assert_within_fp32_noise, within_fp32_noise
 
@@ -368,6 +370,162 @@ def test_gradients_still_averaged_after_a_backward_that_raised():
         # a lost or un-averaged bucket would be off by half a gradient
         assert all(ok for ok, _, _ in checks), checks
 
+
+# ------------------------------------- launch order vs the order gradients arrive
+class _RankShuffled(nn.Module):
+    """Branches run in the order given to forward, so gradients arrive in that order
+    reversed: with a different order on every rank, every rank sees its gradients
+    (one bucket each at a cap of 0) in a different order. The embedding and the head
+    share one weight (tied), whose gradient is complete at a different point too."""
+
+    def __init__(self, k=5, d=8, vocab=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.branches = nn.ModuleList(nn.Linear(d, d) for _ in range(k))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied: one Parameter, two uses
+
+    def forward(self, tokens, x, order):
+        h = 0
+        for i in order:  # i == k: the embedding lookup; else branch i
+            h = h + (self.emb(tokens) if i == len(self.branches)
+                     else torch.tanh(self.branches[i](x)))
+        return nn.functional.cross_entropy(self.head(h), tokens)
+
+
+class _LaunchedWhenReady(BucketedDDP):
+    """The mistake launch_bucket refuses: a bucket launched the moment it is complete,
+    so the launch order is the arrival order, which differs between ranks."""
+
+    def on_grad_ready(self, param):
+        b = self.bucket_of_param[id(param)]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.launch_bucket(b)
+
+
+def _events(ddp, event):
+    return [e["bucket"] for e in ddp.timeline if e["event"] == event]
+
+
+def test_buckets_go_in_bucket_order_whatever_order_gradients_arrive():
+    def local(flat, group=None):  # no process group: the bucket comes back as it is
+        return completed_future(flat)
+
+    ddp = BucketedDDP(_RankShuffled(), bucket_cap_mb=0, first_bucket_mb=0, comm_hook=local)
+    n = len(ddp.buckets)
+    g = torch.Generator().manual_seed(0)
+    tokens, x = torch.randint(0, 16, (4,), generator=g), torch.randn(4, 8, generator=g)
+    ready = set()
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4], [2, 5, 0, 4, 1, 3]):
+        ddp(tokens, x, order).backward()
+        ready.add(tuple(_events(ddp, "ready")))
+        assert _events(ddp, "launched") == list(range(n))
+    assert len(ready) == 3  # the model does reorder the arrivals
+    # launching in arrival order is refused before any collective goes out
+    bad = _LaunchedWhenReady(_RankShuffled(), bucket_cap_mb=0, first_bucket_mb=0,
+                             comm_hook=local)
+    with pytest.raises(RuntimeError, match="in the order 0, 1, 2"):
+        bad(tokens, x, [2, 5, 0, 4, 1, 3]).backward()
+
+
+def test_hooks_on_two_threads_launch_every_bucket_once():
+    """Autograd runs each device's part of backward on its own thread, so a model
+    spread over devices fires hooks on two threads at once (on CPU alone they all
+    run on the caller's thread, so here two threads call the hook directly). The
+    comm hook of bucket 0 takes a while, as issuing a collective can, and lets the
+    other thread run: without the lock, that thread saw bucket 0 complete and not
+    yet launched (next_bucket still 0) and launched it a second time."""
+    in_flight = threading.Event()
+
+    def slow(flat, group=None):
+        if not in_flight.is_set():  # bucket 0: slow to issue, the GIL released meanwhile
+            in_flight.set()
+            time.sleep(0.2)
+        return completed_future(flat)
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    ddp = BucketedDDP(model, bucket_cap_mb=0, first_bucket_mb=0, comm_hook=slow)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    ddp._expect_hooks = ddp._in_backward = True  # what forward and the first hook set up
+    ddp._reset_state()
+    errors = []
+
+    def fire(param):
+        try:
+            ddp._hook(param)
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    first = threading.Thread(target=fire, args=(ddp.buckets[0][0],))
+    first.start()
+    assert in_flight.wait(10)  # bucket 0's launch is under way on the first thread
+    second = threading.Thread(target=fire, args=(ddp.buckets[1][0],))
+    second.start()
+    first.join()
+    second.join()
+    for bucket in ddp.buckets[2:]:
+        ddp._hook(bucket[0])
+    ddp._finalize()
+    assert errors == []
+    assert _events(ddp, "launched") == list(range(len(ddp.buckets)))
+
+
+def _arrivals_differ_between_ranks(steps, cls=BucketedDDP):
+    """Every step, every rank runs the branches in its own random order and sleeps a
+    random time in each hook; one parameter per bucket, a tied weight, with and
+    without find_unused_parameters. Gradients must be the exact average."""
+    r, p = rank_info().rank, rank_info().world_size
+    rng = random.Random(r)  # orders and delays differ between ranks
+    out = {"launched": [], "max_diff": 0.0, "ready": set()}
+    for find_unused in (False, True):
+        torch.manual_seed(0)
+        model = _RankShuffled()
+        ref = copy.deepcopy(model)  # the same on every rank (same seed)
+        ddp = cls(model, bucket_cap_mb=0, first_bucket_mb=0,
+                  find_unused_parameters=find_unused)
+        on_grad_ready = ddp.on_grad_ready
+
+        def late(param):  # widens any window in which the ranks' timing matters
+            time.sleep(rng.random() * 1e-3)
+            on_grad_ready(param)
+
+        ddp.on_grad_ready = late
+        g = torch.Generator().manual_seed(1)  # one global batch per step, a shard each
+        for _ in range(steps):
+            order = list(range(len(model.branches) + 1))
+            rng.shuffle(order)
+            tokens = torch.randint(0, 16, (4 * p,), generator=g)[4 * r:4 * r + 4]
+            x = torch.randn(4 * p, 8, generator=g)[4 * r:4 * r + 4]
+            ddp(tokens, x, order).backward()
+            out["ready"].add(tuple(_events(ddp, "ready")))
+            out["launched"].append(_events(ddp, "launched"))
+            ref(tokens, x, order).backward()
+            for a, b in zip(model.parameters(), ref.parameters()):
+                mean = b.grad / p  # as the default comm hook: divide, then sum
+                dist.all_reduce(mean)
+                out["max_diff"] = max(out["max_diff"], float((a.grad - mean).abs().max()))
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+        out["n_buckets"] = len(ddp.buckets)
+    return out
+
+
+@pytest.mark.slow
+def test_ranks_whose_gradients_arrive_in_different_orders_stay_paired():
+    """Launched in arrival order (_LaunchedWhenReady without launch_bucket's check),
+    this aborted a rank within the first steps: gloo's "Received data size doesn't
+    match expected size" (pair.cc), SIGABRT. In bucket order it cannot."""
+    steps = 30
+    results = launch(_arrivals_differ_between_ranks, 3, steps)
+    for out in results:
+        assert out["launched"] == [list(range(out["n_buckets"]))] * (2 * steps)
+        # each bucket's all-reduce has the same size and inputs as the reference's
+        # own, so the gloo sums are the same arithmetic: bitwise equal
+        assert out["max_diff"] == 0.0
+        assert len(out["ready"]) > steps  # arrival orders really varied ...
+    assert len({frozenset(out["ready"]) for out in results}) == 3  # ... and per rank
 
 @pytest.mark.parametrize("argv, message", [
     (["--size", "bogus"], "--size must be one of"), (["--steps", "0"], "--steps must be >= 2"),
