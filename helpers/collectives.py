@@ -66,6 +66,30 @@ tree per message size, and reduce on the GPU with fused kernels. Our version
 pipelines only within a step (a chunk travels in 1 MB segments, each added as
 it lands) and pays Python overhead per message, so it loses on small
 messages; on large ones it keeps up with gloo (benchmarks/bench_collectives.py).
+
+The exchange hook
+-----------------
+Every message of the ring goes through one function, the *exchange*: the
+point where a rank sends a piece of a chunk to its right neighbour and
+receives one from its left neighbour. The ring decides *what* moves (which
+chunk, into which buffer, what is added afterwards); the exchange decides
+*how* it moves. Its shape::
+
+    exchange(send, recv, right, left, group) -> list of requests
+
+It starts sending ``send`` to group rank ``right`` and receiving into
+``recv`` from group rank ``left``, and returns the requests (anything with a
+``.wait()``); the ring waits on all of them before it reads ``recv`` or
+reuses ``send``. Either tensor may be empty (a chunk of a tensor smaller than
+the world): nothing moves on that side. The default is ``post_pair``, one
+``batch_isend_irecv`` of the pair. ``ring_reduce_scatter``,
+``ring_all_gather`` and ``ring_all_reduce`` take ``exchange=`` to replace it:
+chapter 07 (``helpers.topology.Wire``) passes one that counts the bytes
+leaving a node and delays them to emulate a slow network, then calls
+``post_pair``; a test passes one that records every message. Because the
+hook is called once per message, ``segmented=False`` (one message per chunk
+and step, no 1 MB segments) lets such a hook see exactly the 2(p-1) messages
+of the cost model.
 """
 
 from __future__ import annotations
@@ -78,7 +102,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["chunk_bounds", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+__all__ = ["chunk_bounds", "flat_view", "check_summable", "post_pair", "SEGMENT_BYTES",
+           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "halving_doubling_all_reduce", "halving_doubling_all_reduce_time",
            "ring_all_reduce_time", "tree_all_reduce_time", "bus_bandwidth", "BUSBW_FACTORS",
            "check_sweep_args", "sweep", "fit_alpha_beta"]
@@ -109,7 +134,9 @@ def _ring(group) -> tuple[int, int, int, int]:
     return rank, p, (rank + 1) % p, (rank - 1) % p
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
+def flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a 1-D view of the same memory, so that the ring's in-place writes land
+    in ``tensor``; a TypeError for a non-tensor, a ValueError if it is not contiguous."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
@@ -134,8 +161,11 @@ def _has_add(dtype: torch.dtype, device_type: str) -> bool:
         return False
 
 
-def _check_summable(tensor: torch.Tensor, what: str) -> None:
-    """Refuse, on every rank alike and before any message, a dtype the ring cannot add."""
+def check_summable(tensor: torch.Tensor, what: str) -> None:
+    """Refuse, on every rank alike and before any message, a dtype the ring cannot add.
+
+    ``what`` names the caller in the message (e.g. "ring_all_reduce").
+    """
     if tensor.dtype == torch.bool:
         # gloo and NCCL treat a bool "sum" as a logical or; a ring of add_ cannot
         # say which the caller meant.
@@ -147,10 +177,11 @@ def _check_summable(tensor: torch.Tensor, what: str) -> None:
                         f"(e.g. x.float()) and cast back.")
 
 
-def _post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> list:
+def post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> list:
     """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left.
 
-    Returns the requests; wait on all of them before touching either tensor.
+    The ring's default exchange hook (see the module docstring). Returns the
+    requests; wait on all of them before touching either tensor.
 
     The two are posted as *one* batch (``batch_isend_irecv``), not as two
     separate ``isend``/``irecv`` calls. With gloo either way works. With NCCL
@@ -172,13 +203,20 @@ def _post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gr
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def _wait(requests) -> None:
+    for req in requests:
+        req.wait()
+
+
 # Reduce-scatter moves a chunk in segments of this many bytes, so that adding
 # segment i overlaps receiving segment i+1 (gloo and NCCL pipeline the same way).
+# Read at call time, so a test can set it small to get many segments.
 SEGMENT_BYTES = 1 << 20
 
 
-def _segments(start: int, end: int, per: int) -> list[tuple[int, int]]:
-    return [(a, min(a + per, end)) for a in range(start, end, per)]
+def _segments(n: int, per: int) -> list[tuple[int, int]]:
+    """(start, end) pieces of ``per`` elements covering 0..n; none if n == 0."""
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
 
 
 def _workspace(flat: torch.Tensor, n: int, workspace: torch.Tensor | None) -> torch.Tensor:
@@ -191,8 +229,34 @@ def _workspace(flat: torch.Tensor, n: int, workspace: torch.Tensor | None) -> to
     return workspace.view(-1)
 
 
+def _send_and_add(send: torch.Tensor, mine: torch.Tensor, buf: torch.Tensor, right: int,
+                  left: int, group, exchange, per: int) -> None:
+    """One reduce-scatter step: ``send`` goes right; the left neighbour's partial sum of
+    ``mine`` arrives in ``buf`` and is added into ``mine``.
+
+    Both chunks travel in pieces of ``per`` elements, piece i out with piece i
+    in, each pair one call of ``exchange``. Every pair is posted first, then
+    each received piece is added as soon as its requests are done, while later
+    pieces are still on the wire. Sender and receiver cut a chunk alike (same
+    chunk_bounds, same ``per``), and messages between two ranks are matched in
+    the order they were posted. The two chunks may differ by one element, so
+    one can have a piece more: that exchange is one-sided, and so is its
+    partner on the neighbour.
+    """
+    out, inc = _segments(send.numel(), per), _segments(mine.numel(), per)
+    pending = []
+    for i in range(max(len(out), len(inc))):
+        a, b = out[i] if i < len(out) else (0, 0)
+        x, y = inc[i] if i < len(inc) else (0, 0)
+        pending.append((exchange(send[a:b], buf[x:y], right, left, group), x, y))
+    for requests, x, y in pending:
+        _wait(requests)
+        mine[x:y].add_(buf[x:y])  # (piece,) += (piece,)
+
+
 def ring_reduce_scatter(tensor: torch.Tensor, group=None,
-                        workspace: torch.Tensor | None = None) -> torch.Tensor:
+                        workspace: torch.Tensor | None = None, *,
+                        exchange=post_pair, segmented: bool = True) -> torch.Tensor:
     """Phase 1, in place: afterwards chunk ``rank`` (``chunk_bounds``) holds the sum.
 
     Returns that chunk (a view into ``tensor``). The other chunks hold partial
@@ -201,51 +265,38 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None,
     calls. A fresh large buffer costs the kernel's zeroing of every new page on
     first touch (about as long as the transfer itself on a CPU); NCCL likewise
     keeps persistent buffers.
+    ``exchange``: the hook every message goes through (module docstring).
+    ``segmented``: move each chunk in ``SEGMENT_BYTES`` pieces, adding each as it
+    lands (default); False sends it as one message.
     """
-    flat = _flat(tensor)
-    _check_summable(flat, "ring_reduce_scatter")
+    flat = flat_view(tensor)
+    check_summable(flat, "ring_reduce_scatter")
     rank, p, right, left = _ring(group)
     if p == 1:
         return flat
     bounds = chunk_bounds(flat.numel(), p)
-    buf = _workspace(flat, bounds[0][1] - bounds[0][0], workspace)
+    biggest = bounds[0][1] - bounds[0][0]  # chunk_bounds puts the extra elements first
+    buf = _workspace(flat, biggest, workspace)
+    per = max(1, (SEGMENT_BYTES // flat.element_size()) if segmented else biggest)  # elements
     # Step s: send chunk (rank - s - 1), receive chunk (rank - s - 2) and add it.
     # The chunk received in the last step (s = p-2) is chunk `rank`, which by then
     # has collected the contributions of all p ranks (Patarasuk & Yuan 2009, sec. 4).
-    per = max(1, SEGMENT_BYTES // flat.element_size())
-    empty = flat[:0]
     for s in range(p - 1):
         a, b = bounds[(rank - s - 1) % p]
         c, d = bounds[(rank - s - 2) % p]
-        # Segment i of the outgoing chunk travels with segment i of the incoming
-        # one, as one batch (_post_pair). Post every segment's batch, then add each
-        # received segment as soon as its batch is done, while later segments are
-        # still on the wire. Sender and receiver cut a chunk into the same segments
-        # (same chunk_bounds, same `per`); messages between one pair of ranks are
-        # matched in the order they were posted. The two chunks may differ by one
-        # element, so one of them can have a segment more: that batch is one-sided,
-        # and so is its partner on the neighbour.
-        out, inc = _segments(a, b, per), _segments(c, d, per)
-        pending = []
-        for i in range(max(len(out), len(inc))):
-            snd = flat[out[i][0]:out[i][1]] if i < len(out) else empty
-            x, y = inc[i] if i < len(inc) else (c, c)
-            pending.append((_post_pair(snd, buf[x - c:y - c], right, left, group), x, y))
-        for reqs, x, y in pending:
-            for req in reqs:
-                req.wait()
-            flat[x:y].add_(buf[x - c:y - c])  # (segment,) += (segment,)
+        _send_and_add(flat[a:b], flat[c:d], buf, right, left, group, exchange, per)
     a, b = bounds[rank]
     return flat[a:b]
 
 
-def ring_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_gather(tensor: torch.Tensor, group=None, *, exchange=post_pair) -> torch.Tensor:
     """Phase 2, in place: on entry chunk ``rank`` is final; on return every chunk is.
 
     Step s sends chunk (rank - s) and receives chunk (rank - s - 1) straight
-    into its place (no add, no extra buffer).
+    into its place (no add, no extra buffer, so nothing to overlap: one
+    message per step). ``exchange``: as in ``ring_reduce_scatter``.
     """
-    flat = _flat(tensor)
+    flat = flat_view(tensor)
     rank, p, right, left = _ring(group)
     if p == 1:
         return tensor
@@ -253,13 +304,13 @@ def ring_all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
     for s in range(p - 1):
         a, b = bounds[(rank - s) % p]
         c, d = bounds[(rank - s - 1) % p]
-        for req in _post_pair(flat[a:b], flat[c:d], right, left, group):
-            req.wait()
+        _wait(exchange(flat[a:b], flat[c:d], right, left, group))
     return tensor
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None,
-                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+                    workspace: torch.Tensor | None = None, *,
+                    exchange=post_pair, segmented: bool = True) -> torch.Tensor:
     """In-place sum over the group, as reduce-scatter then all-gather. Returns ``tensor``.
 
     Same result as ``dist.all_reduce(tensor)`` (up to floating-point summation
@@ -267,11 +318,11 @@ def ring_all_reduce(tensor: torch.Tensor, group=None,
     Any dtype torch can add on the tensor's device, including int16, which
     gloo's own all_reduce refuses; bool and dtypes without an add kernel
     (uint16, float8 on CPU) raise TypeError before any message is sent.
-    ``workspace``: see ``ring_reduce_scatter``.
+    ``workspace``, ``exchange``, ``segmented``: see ``ring_reduce_scatter``.
     """
-    _check_summable(_flat(tensor), "ring_all_reduce")
-    ring_reduce_scatter(tensor, group, workspace)
-    ring_all_gather(tensor, group)
+    check_summable(flat_view(tensor), "ring_all_reduce")
+    ring_reduce_scatter(tensor, group, workspace, exchange=exchange, segmented=segmented)
+    ring_all_gather(tensor, group, exchange=exchange)
     return tensor
 
 
@@ -281,8 +332,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None,
 
 def _swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
     """Send ``send`` to ``peer`` while receiving ``recv`` from it; return when both are done."""
-    for req in _post_pair(send, recv, peer, peer, group):
-        req.wait()
+    _wait(post_pair(send, recv, peer, peer, group))
 
 
 def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -293,8 +343,8 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tenso
     summation order (exact for integers); any p (see the module docstring for
     how ranks beyond the largest power of two are folded in).
     """
-    flat = _flat(tensor)
-    _check_summable(flat, "halving_doubling_all_reduce")
+    flat = flat_view(tensor)
+    check_summable(flat, "halving_doubling_all_reduce")
     rank, p, _, _ = _ring(group)
     if p == 1:
         return tensor

@@ -335,6 +335,55 @@ def test_halving_doubling_sends_the_ring_bytes_in_2_log_p_messages():
                                          (2, n * 4, True)]
 
 
+def _exchanges_of_every_ring():
+    """One all-reduce of 7 floats (chunks of 3, 2, 2) three ways, each message recorded
+    as (elements sent, elements received, right, left) by an exchange hook: chapter 03's
+    ring with a recording hook around post_pair, chapter 07's flat ring through a
+    recording Wire, and chapter 07's hierarchical all-reduce on one node of 3 (whose
+    inter-node ring has one rank: nothing to send)."""
+    from helpers.collectives import post_pair
+    from helpers.topology import Wire, hierarchical_all_reduce, node_groups
+    from helpers.topology import ring_all_reduce as wired_ring_all_reduce
+
+    seen = {"collectives": [], "wire": [], "hierarchical": []}
+
+    def recording(log, post):
+        def exchange(send, recv, right, left, group=None):
+            log.append((send.numel(), recv.numel(), right, left))
+            return post(send, recv, right, left, group)
+        return exchange
+
+    class RecordingWire(Wire):
+        def __init__(self, log):
+            super().__init__(3)
+            self.exchange = recording(log, super().exchange)
+
+    groups = node_groups(3)
+    r = rank_info().rank
+    x, y, z = (torch.full((7,), float(r + 1)) for _ in range(3))
+    ring_all_reduce(x, exchange=recording(seen["collectives"], post_pair))
+    wired_ring_all_reduce(y, None, RecordingWire(seen["wire"]))
+    hierarchical_all_reduce(z, 3, groups=groups, wire=RecordingWire(seen["hierarchical"]))
+    return seen, [t.tolist() for t in (x, y, z)]
+
+
+@pytest.mark.slow
+def test_one_ring_behind_chapter_03_and_chapter_07():
+    """The hierarchical path runs helpers.collectives' ring: through its exchange hook the
+    same 2(p-1) messages of the same sizes, in the same order, as chapter 03's ring."""
+    p, n = 3, 7
+    size = [b - a for a, b in chunk_bounds(n, p)]  # [3, 2, 2]
+    for r, (seen, sums) in enumerate(launch(_exchanges_of_every_ring, p)):
+        right, left = (r + 1) % p, (r - 1) % p
+        want = [(size[(r - s - 1) % p], size[(r - s - 2) % p], right, left)  # reduce-scatter
+                for s in range(p - 1)]
+        want += [(size[(r - s) % p], size[(r - s - 1) % p], right, left)      # all-gather
+                 for s in range(p - 1)]
+        assert len(want) == 2 * (p - 1)
+        assert seen == {"collectives": want, "wire": want, "hierarchical": want}, r
+        assert sums == [[6.0] * n] * 3
+
+
 def test_halving_doubling_cost_model():
     # power of two: 2 log2 p alpha + the ring's bandwidth term
     assert halving_doubling_all_reduce_time(1e6, 8, 1e-5, 1e9) == pytest.approx(

@@ -217,6 +217,51 @@ def test_one_rank_without_a_process_group_is_the_plain_tensor():
         hierarchical_all_reduce(x, 2)
 
 
+def test_the_wired_rings_are_chapter_03s_with_the_wire_as_exchange_hook(monkeypatch):
+    """No second ring: chapter 07's phases call helpers.collectives' with wire.exchange
+    (the same messages on real ranks: test_collectives.test_one_ring_behind_...)."""
+    import helpers.collectives as ch03
+    from helpers.topology import ring_all_gather, ring_reduce_scatter
+
+    calls = []
+    for name in ("ring_reduce_scatter", "ring_all_gather"):
+        def spy(tensor, group=None, *args, _real=getattr(ch03, name), _name=name, **kwargs):
+            calls.append((_name, kwargs["exchange"].__self__, kwargs.get("segmented")))
+            return _real(tensor, group, *args, **kwargs)
+        monkeypatch.setattr(ch03, name, spy)
+    w = Wire(2)
+    x = torch.arange(4.0)
+    assert ring_all_reduce(x, None, w) is x and torch.equal(x, torch.arange(4.0))
+    ring_reduce_scatter(x, None, w)
+    ring_all_gather(x, None, w)
+    assert calls == [("ring_reduce_scatter", w, False), ("ring_all_gather", w, None)] * 2
+
+
+def test_mesh_groups_puts_the_mesh_on_cuda_whenever_nccl_is_in_the_backend(monkeypatch):
+    """The course's GPU groups are "cpu:gloo,cuda:nccl": not == "nccl", but on CUDA."""
+    import torch.distributed.device_mesh as device_mesh
+
+    devices = []
+
+    class Mesh:
+        def get_group(self, dim):
+            return dim
+
+    def init_device_mesh(device, shape, mesh_dim_names):
+        devices.append(device)
+        assert shape == (2, 2) and mesh_dim_names == ("node", "local")
+        return Mesh()
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        groups = mesh_groups(2)
+        assert (groups.intra, groups.inter, groups.node, groups.local) == ("local", "node", 1, 1)
+    assert devices == ["cpu", "cuda", "cuda"]
+
+
 SHAPES = [(1,), (5,), (7,), (64,), (3, 5), (1001,)]  # several do not divide by g or p
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64]
 

@@ -31,9 +31,12 @@ show NVLink vs InfiniBand: on one machine every message goes through the same
 loopback, and the model treats that intra-node part as free.
 
 Cost: building the groups is a collective per group (a few ms each on gloo):
-build them once per launch and pass ``groups=``. The rings here are
-chapter 03's (same chunks, same order), one message per step, without
-segments.
+build them once per launch and pass ``groups=``.
+
+The rings are chapter 03's own (``helpers.collectives``): ``ring_reduce_scatter``
+and friends below only plug ``wire.exchange`` into their exchange hook, with
+``segmented=False``, so that each chunk crosses as one message per step: what
+the Wire prices (latency + bytes / bandwidth) and what the cost model counts.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from helpers.collectives import _check_summable, _flat, _ring, chunk_bounds  # chapter 03's
+from helpers import collectives  # chapter 03's ring, with its exchange hook
+from helpers.collectives import check_summable, flat_view, post_pair
 from helpers.topology.links import Link, Topology
 
 __all__ = ["Wire", "NodeGroups", "check_grid", "grid_layout", "node_groups", "mesh_groups",
@@ -75,27 +79,30 @@ class Wire:
         return global_rank // self.gpus_per_node
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
-                 group=None) -> None:
-        """Send ``send`` to group rank ``right``, receive ``recv`` from ``left``; wait for both."""
-        g = group if group is not None else dist.group.WORLD
-        me, dst = dist.get_rank(), dist.get_global_rank(g, right)
-        ops = []
+                 group=None) -> list:
+        """The ring's exchange hook (``helpers.collectives``): send ``send`` to group rank
+        ``right``, receive ``recv`` from ``left``; returns the requests to wait on.
+
+        Counts the bytes that leave for another node (sleeping first, if there is a
+        slow link: the message is late by exactly what the link would cost), then
+        posts the pair as chapter 03 does (``post_pair``: one batch, sends and
+        receives progress together).
+        """
         if send.numel():
+            g = group if group is not None else dist.group.WORLD
             nbytes = send.numel() * send.element_size()
-            if self.node(dst) != self.node(me):
+            if self.node(dist.get_global_rank(g, right)) != self.node(dist.get_rank()):
                 self.cross_bytes += nbytes
                 self.cross_messages += 1
                 if self.slow_link is not None:
                     time.sleep(self.slow_link.time(nbytes))  # the emulated slow link
             else:
                 self.local_bytes += nbytes
-            ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=right))
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=left))
-        # one batch: sends and receives progress together (helpers.collectives._post_pair)
-        for req in (dist.batch_isend_irecv(ops) if ops else []):
-            req.wait()
+        return post_pair(send, recv, right, left, group)
 
+
+# Chapter 03's ring phases with every message through a Wire (default: Wire(1),
+# which counts only), one message per chunk and step (segmented=False).
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None, wire: Wire | None = None):
     """Chapter 03's ring reduce-scatter, every message through ``wire``.
@@ -103,40 +110,20 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, wire: Wire | None = No
     In place; returns chunk ``rank`` (of ``chunk_bounds(numel, p)``), which
     then holds the sum over ``group``.
     """
-    flat = _flat(tensor)
     wire = wire or Wire(1)
-    rank, p, right, left = _ring(group)
-    if p == 1:
-        return flat
-    bounds = chunk_bounds(flat.numel(), p)
-    buf = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
-    for s in range(p - 1):  # step s: send chunk r-s-1, receive and add chunk r-s-2
-        a, b = bounds[(rank - s - 1) % p]
-        c, d = bounds[(rank - s - 2) % p]
-        wire.exchange(flat[a:b], buf[:d - c], right, left, group)
-        flat[c:d].add_(buf[:d - c])
-    a, b = bounds[rank]
-    return flat[a:b]
+    return collectives.ring_reduce_scatter(tensor, group, exchange=wire.exchange, segmented=False)
 
 
 def ring_all_gather(tensor: torch.Tensor, group=None, wire: Wire | None = None):
     """Chapter 03's ring all-gather through ``wire``: chunk ``rank`` in, every chunk out."""
-    flat = _flat(tensor)
     wire = wire or Wire(1)
-    rank, p, right, left = _ring(group)
-    bounds = chunk_bounds(flat.numel(), p)
-    for s in range(p - 1):  # step s: send chunk r-s, receive chunk r-s-1 in place
-        a, b = bounds[(rank - s) % p]
-        c, d = bounds[(rank - s - 1) % p]
-        wire.exchange(flat[a:b], flat[c:d], right, left, group)
-    return tensor
+    return collectives.ring_all_gather(tensor, group, exchange=wire.exchange)
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None, wire: Wire | None = None):
     """The flat ring: reduce-scatter then all-gather over all of ``group``. In place."""
-    _check_summable(_flat(tensor), "ring_all_reduce")
-    ring_reduce_scatter(tensor, group, wire)
-    return ring_all_gather(tensor, group, wire)
+    wire = wire or Wire(1)
+    return collectives.ring_all_reduce(tensor, group, exchange=wire.exchange, segmented=False)
 
 
 # --------------------------------------------------------------------------
@@ -206,7 +193,9 @@ def mesh_groups(gpus_per_node: int) -> NodeGroups:
     from torch.distributed.device_mesh import init_device_mesh
 
     nodes = check_grid(dist.get_world_size(), gpus_per_node)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # "nccl" *in* the backend: the course's groups are "cpu:gloo,cuda:nccl", which
+    # is not equal to "nccl" but runs on GPUs all the same
+    device = "cuda" if "nccl" in dist.get_backend() else "cpu"
     mesh = init_device_mesh(device, (nodes, gpus_per_node), mesh_dim_names=("node", "local"))
     me = dist.get_rank()
     # dimension "local" varies inside a node (a row); "node" varies across nodes (a column)
@@ -226,8 +215,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, gpus_per_node: int, group=None
     on every rank (``node_groups(g, group)``) and pass them.
     ``wire``: counts and optionally delays messages (default: counts only).
     """
-    flat = _flat(tensor)
-    _check_summable(flat, "hierarchical_all_reduce")
+    flat = flat_view(tensor)
+    check_summable(flat, "hierarchical_all_reduce")
     if not (dist.is_available() and dist.is_initialized()):
         check_grid(1, gpus_per_node)
         return tensor  # one rank, no process group: the sum is the tensor itself
