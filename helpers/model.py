@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "build_model",
-           "count_parameters", "MODEL_SIZES"]
+           "count_parameters", "init_weights", "MODEL_SIZES"]
 
 
 @dataclasses.dataclass
@@ -46,13 +46,6 @@ class GPTConfig:
     dropout: float = 0.0       # 0 keeps reference comparisons exact; ch. 13 turns it on
     bias: bool = True
     attention: str = "manual"  # "manual" (every step visible) or "sdpa" (fused)
-    # Mixture of experts (ch. 21, helpers.moe): every moe_every-th block's MLP
-    # (blocks moe_every-1, 2*moe_every-1, ...) becomes an MoE layer; 0 = dense.
-    # Switch Transformer uses moe_every=2 (Fedus et al. 2021, sec. 2.4 / App. A).
-    moe_every: int = 0
-    n_expert: int = 4
-    moe_top_k: int = 1
-    moe_capacity_factor: float | None = None  # None: no token dropped
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -66,16 +59,6 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {self.attention!r}")
-        if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) \
-                or self.moe_every < 0:
-            raise ValueError(f"moe_every must be an int >= 0 (0: dense), got {self.moe_every!r}")
-        if self.moe_every:
-            from helpers.moe import MoEConfig  # validates experts, top_k, capacity factor
-            MoEConfig(self.n_embd, self.mlp_ratio * self.n_embd, self.n_expert, self.moe_top_k,
-                      self.moe_capacity_factor)
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -95,10 +78,7 @@ class GPTConfig:
         attn = h * 3 * h + b * 3 * h + h * h + b * h
         mlp = h * f + b * f + f * h + b * h
         norms = 2 * (h + b * h)
-        n_moe = sum(self.is_moe_layer(i) for i in range(L))
-        moe = self.n_expert * (h * f + f + f * h + h) + h * self.n_expert  # experts + router
-        return (v * h + self.block_size * h + L * (attn + norms) + (L - n_moe) * mlp
-                + n_moe * moe + (h + b * h))
+        return v * h + self.block_size * h + L * (attn + mlp + norms) + (h + b * h)
 
 
 # Named sizes. "toy" and "tiny" run on a laptop CPU; the GPT-2 ones are for GPU
@@ -164,24 +144,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig, layer_idx: int = 0):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        if cfg.is_moe_layer(layer_idx):
-            from helpers.moe import MoELayer
-            self.mlp = MoELayer(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, cfg.n_expert,
-                                cfg.moe_top_k, cfg.moe_capacity_factor)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        m = self.mlp(self.ln_2(x))
-        if isinstance(m, tuple):  # an MoE layer also returns its stats (kept in .last_stats)
-            m = m[0]
-        return x + m  # a token dropped by every expert passes through unchanged
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -191,23 +163,11 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # token embedding, shared with head
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)  # learned positions
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one tensor, two uses
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        # GPT-2's scheme: N(0, 0.02) everywhere; residual output projections
-        # scaled by 1/sqrt(2 * n_layer) so the residual stream's variance
-        # does not grow with depth (Radford et al. 2019, sec. 2.3).
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") \
-                    else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        init_weights(self, cfg.n_layer)
 
     # The forward pass in three parts, so a pipeline stage can run just one.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -229,6 +189,24 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, lm_loss(logits, targets)
+
+
+def init_weights(module: nn.Module, n_layer: int) -> None:
+    """GPT-2's initialization of every parameter of ``module`` (a GPT or a part of one).
+
+    N(0, 0.02) for every matrix; residual output projections (``c_proj``)
+    scaled by 1/sqrt(2 * n_layer) so the residual stream's variance does not
+    grow with depth (Radford et al. 2019, sec. 2.3); biases zero; LayerNorm
+    weights keep their 1. Draws from the global RNG in ``named_parameters``
+    order. A layer swapped into a built model (e.g. ``helpers.moe.apply_moe``)
+    uses it to start like the layers around it.
+    """
+    for name, p in module.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
