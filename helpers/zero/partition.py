@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from helpers.ddp import assign_buckets
+
 __all__ = ["Bucket", "FlatPartition", "size_buckets"]
 
 
@@ -76,15 +78,15 @@ class FlatPartition:
 
 
 def size_buckets(numels: list[int], cap_numel: int) -> list[list[int]]:
-    """Group parameter indices in reverse order into buckets of <= cap_numel
-    elements (a bigger parameter gets a bucket of its own)."""
-    groups, cur, size = [], [], 0
-    for i in reversed(range(len(numels))):
-        if cur and size + numels[i] > cap_numel:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += numels[i]
-    if cur:
-        groups.append(cur)
-    return groups
+    """ZeRO's buckets by size: BucketedDDP's rule, ``helpers.ddp.assign_buckets``.
+
+    Parameter indices walked from last registered to first (gradients arrive
+    roughly in that order, so bucket 0 is complete first), a bucket closed as
+    soon as it holds at least ``cap_numel`` elements (a parameter larger than
+    the cap gets a bucket of its own). Sizes are counted in elements, not
+    bytes: one flat buffer, one dtype. No smaller first bucket: ZeroOptimizer
+    has one knob, ``bucket_cap_mb``, as DeepSpeed has one ``reduce_bucket_size``
+    (and torch's DDP, given a ``bucket_cap_mb``, uses it for the first bucket
+    too). Padding to a multiple of N is FlatPartition's business, not the
+    grouping's."""
+    return assign_buckets(numels, cap_numel)
