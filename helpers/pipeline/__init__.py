@@ -9,6 +9,8 @@
   freed, and a model of nccl's streams to check it.
 * ``stash``: measures the activation bytes a rank really holds for backward.
 * ``executor``: runs any F/B schedule on real ranks with send/recv.
+* ``plain_1f1b``: 1F1B alone as one short loop (warm-up, steady, cool-down),
+  the way Megatron-LM writes it; read it before the executor.
 """
 
 from helpers.pipeline.partition import partition, pipeline_step_time, stage_costs, stash_memory

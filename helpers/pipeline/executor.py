@@ -49,6 +49,15 @@ The step records each action's (start, end) on this rank's clock, how long it
 waited for its input, and the activations it held for backward, *measured*
 from the tensors autograd saves (``helpers.pipeline.stash.StashMeter``): the
 peak in bytes and in micro-batches, to compare with the simulator's stash.
+All of that lives in ``StepRecorder``, which the loop calls at fixed points
+(input awaited, input there, send posted, action done), so the loop itself
+holds no timing code.
+
+For 1F1B alone there is a shorter way: its order is fixed, so it can be
+written as three loops (warm-up, steady, cool-down) with paired sends and
+receives and no plan at all, as Megatron-LM does;
+``helpers.pipeline.plain_1f1b`` is that version, equal to this executor bit
+for bit.
 
 How production differs: Megatron and ``torch.distributed.pipelining`` also
 batch send/recv pairs, but lay out the groups per schedule phase (Megatron) or
@@ -71,7 +80,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.model import GPT, lm_loss
-from helpers.pipeline.p2p import plan_messages
+from helpers.pipeline.p2p import plan_messages, post
 from helpers.pipeline.partition import partition
 from helpers.pipeline.schedules import Action, schedule_shape
 from helpers.pipeline.simulate import validate_schedule
@@ -163,23 +172,57 @@ class StepResult:
                                   # (below the interval's length: the rank waited for a core)
 
 
-def _post(ops: list, group, global_rank: Callable[[int], int], rank: int,
+def _post(ops: list, group, global_rank: Callable[[int], int],
           buffers: dict, outgoing: dict) -> dict:
     """Post one time step's sends and receives as one ``batch_isend_irecv`` (one nccl
     group: they progress together; see helpers/pipeline/p2p.py). Returns the work
     handle of each operation, keyed by (kind, message)."""
-    p2p = []
-    for kind, msg in ops:
-        if kind == "send":
-            p2p.append(dist.P2POp(dist.isend, outgoing[msg], global_rank(msg.dst),
-                                  group=group, tag=msg.tag))
-        else:
-            p2p.append(dist.P2POp(dist.irecv, buffers[msg], global_rank(msg.src),
-                                  group=group, tag=msg.tag))
-    works = dist.batch_isend_irecv(p2p)
-    if len(works) != len(ops):  # nccl coalesces the group into a single work handle
-        works = [works[0]] * len(ops)
-    return {op: w for op, w in zip(ops, works)}
+    works = post([(kind, outgoing[msg], global_rank(msg.dst), msg.tag) if kind == "send"
+                  else (kind, buffers[msg], global_rank(msg.src), msg.tag)
+                  for kind, msg in ops], group)
+    return dict(zip(ops, works))
+
+
+class StepRecorder:
+    """What ``pipeline_step`` measures, kept out of its loop, which calls, per action:
+    ``waiting()`` before it blocks for the action's input, ``computing()`` once the
+    input is there, ``sent(n)`` after posting a send (n: sends now in flight) and
+    ``done(action)`` at its end; ``saving(owner)`` and ``hold(owner, tensor)`` around a
+    forward feed the stash meter (``helpers.pipeline.stash``), when there is one."""
+
+    def __init__(self, exclude: list, measure_stash: bool):
+        self.meter = StashMeter(exclude=exclude) if measure_stash else None
+        self.timeline, self.recv_wait, self.cpu_time = [], [], []
+        self.messages_sent = self.peak_pending = 0
+
+    def waiting(self) -> None:
+        self._t_wait = time.perf_counter()
+
+    def computing(self) -> None:
+        self._t0, self._c0 = time.perf_counter(), time.thread_time()
+        self.recv_wait.append(self._t0 - self._t_wait)
+
+    def sent(self, in_flight: int) -> None:
+        self.messages_sent += 1
+        self.peak_pending = max(self.peak_pending, in_flight)
+
+    def done(self, action: Action) -> None:
+        self.timeline.append((self._t0, time.perf_counter(), action))
+        self.cpu_time.append(time.thread_time() - self._c0)
+
+    def saving(self, owner):
+        return self.meter.saving(owner) if self.meter else contextlib.nullcontext()
+
+    def hold(self, owner, tensor: torch.Tensor) -> None:
+        if self.meter:
+            self.meter.hold(owner, tensor)
+
+    def result(self, loss: float | None, num_chunks: int) -> StepResult:
+        peak_bytes, peak_mb = self.meter.peaks() if self.meter else (0, float("nan"))
+        units = self.meter.unit_bytes() if self.meter else {}
+        return StepResult(loss, self.timeline, peak_mb, peak_bytes,
+                          [units.get(c, 0) for c in range(num_chunks)], self.messages_sent,
+                          self.peak_pending, self.recv_wait, self.cpu_time)
 
 
 def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
@@ -248,26 +291,23 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             for kind, msg in next_group[1]:
                 if kind == "recv":
                     buffers[msg] = torch.empty(act_shape, dtype=dtype, device=device)
-            works.update(_post(next_group[1], group, global_rank, rank, buffers, outgoing))
+            works.update(_post(next_group[1], group, global_rank, buffers, outgoing))
             for kind, msg in next_group[1]:
                 if kind == "send":
                     outgoing.pop(msg)  # the work handle keeps it (and so do we, in pending)
             next_group = next(groups, None)
 
     params = [q for c in chunks for q in (*c.parameters(), *c.buffers())]
-    meter = StashMeter(exclude=[*params, x, y]) if measure_stash else None
-    saving = meter.saving if meter else lambda owner: contextlib.nullcontext()
-    hold = meter.hold if meter else lambda owner, t: None
+    rec = StepRecorder([*params, x, y], measure_stash)
     stash: dict[tuple[int, int], tuple] = {}
-    losses, timeline, recv_wait, cpu = [], [], [], []
-    n_sent = peak_pending = 0
+    losses = []
     for i, a in enumerate(sched[rank]):
         s = a.chunk * p + rank               # virtual stage of this action
         chunk = chunks[a.chunk]
         j = a.microbatch
         post_until(plan.step[i] - 1)         # receive-only groups of earlier steps
         msg_in = plan.recv[i]
-        t_wait = time.perf_counter()
+        rec.waiting()
         if msg_in is None:
             got = None
         elif msg_in.local:
@@ -275,14 +315,13 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
         else:
             works.pop(("recv", msg_in)).wait()
             got = buffers.pop(msg_in)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        recv_wait.append(t0 - t_wait)
+        rec.computing()
         for k in plan.release[i]:            # proved delivered: returns at once, frees memory
             work, _ = pending.pop(k)
             work.wait()
         if a.kind == "F":
             inp = xs[j] if s == 0 else got.requires_grad_()   # tokens, or activation (mb, T, C)
-            with saving((j, a.chunk)):
+            with rec.saving((j, a.chunk)):
                 out = chunk(inp)
                 if s == S - 1:
                     loss = loss_fn(out, ys[j])
@@ -290,8 +329,8 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
                     out = loss / m           # mean over micro-batches = mean over the batch
                     del loss                 # it would keep this micro-batch's graph (and its
                                              # received input) alive until the next forward
-            hold((j, a.chunk), inp)
-            hold((j, a.chunk), out)
+            rec.hold((j, a.chunk), inp)
+            rec.hold((j, a.chunk), out)
             stash[(j, a.chunk)] = (inp, out)
             t_out = None if s == S - 1 else out.detach()
         else:
@@ -305,13 +344,11 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
                 local[msg_out] = t_out
             else:
                 outgoing[msg_out] = t_out.contiguous()
-                n_sent += 1
         post_until(plan.step[i])             # this step's group: our send, neighbours' sends
         if msg_out is not None and not msg_out.local:
             pending[i] = (works.pop(("send", msg_out)), t_out)
-            peak_pending = max(peak_pending, len(pending))
-        timeline.append((t0, time.perf_counter(), a))
-        cpu.append(time.thread_time() - c0)
+            rec.sent(len(pending))
+        rec.done(a)
         del got, t_out
     post_until(float("inf"))                 # nothing left in practice; a guard
     for work, _ in pending.values():         # sends nobody could vouch for
@@ -319,11 +356,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
     pending.clear()
     if sync_tied:
         sync_tied_grads(chunks, p, group=group)
-    loss = float(torch.stack(losses).mean()) if losses else None
-    peak_bytes, peak_mb = meter.peaks() if meter else (0, float("nan"))
-    units = meter.unit_bytes() if meter else {}
-    return StepResult(loss, timeline, peak_mb, peak_bytes,
-                      [units.get(c, 0) for c in range(v)], n_sent, peak_pending, recv_wait, cpu)
+    return rec.result(float(torch.stack(losses).mean()) if losses else None, v)
 
 
 def sync_tied_grads(chunks: Sequence[StageChunk], num_stages: int, group=None) -> None:

@@ -42,7 +42,8 @@ otherwise leave to luck.
    Every operation goes through ``batch_isend_irecv``, including groups of one:
    PyTorch puts batched operations on the process group's communicator and
    lone ``isend``/``irecv`` on a separate two-rank one, and a send on one
-   communicator never meets a receive on the other.
+   communicator never meets a receive on the other. ``post`` is that one call,
+   for the executor and for the short 1F1B loop (``helpers.pipeline.plain_1f1b``).
 
    gloo queues nothing (each operation progresses on its own, and a receive
    is matched by tag), so on gloo the groups only post receives a little
@@ -89,10 +90,13 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Sequence
 
+import torch
+import torch.distributed as dist
+
 from helpers.pipeline.schedules import Action, schedule_shape
 from helpers.pipeline.simulate import ScheduleDeadlock, validate_schedule
 
-__all__ = ["Message", "RankPlan", "plan_messages", "comm_calls", "stream_model", "tag"]
+__all__ = ["Message", "RankPlan", "plan_messages", "comm_calls", "stream_model", "tag", "post"]
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -220,6 +224,20 @@ def plan_messages(schedule: Sequence[Sequence]) -> list[RankPlan]:
             if sent != got:  # cannot happen with one group per step; a guard for edits
                 raise AssertionError(f"rank {a} posts {sent} to rank {b}, which posts {got}")
     return plans
+
+
+def post(ops: Sequence[tuple[str, torch.Tensor, int, int]], group=None) -> list:
+    """Post sends and receives together, as one ``dist.batch_isend_irecv`` (one nccl
+    group: they progress together, point 1 above), a group of one included; return
+    one work handle per operation (nccl coalesces a group into a single handle).
+
+    ops: ("send" | "recv", tensor, peer's global rank, tag); none: nothing posted."""
+    if not ops:
+        return []
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv,
+                                               t, peer, group=group, tag=tag)
+                                    for kind, t, peer, tag in ops])
+    return works if len(works) == len(ops) else [works[0]] * len(ops)
 
 
 def comm_calls(plan: RankPlan, how: str = "steps") -> list[tuple[bool, tuple[Op, ...]]]:
