@@ -1,20 +1,10 @@
 """Chapter 02's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
 import torch.distributed as dist
 
+from checks_harness import ChapterChecks, Check, Wrong
 from helpers import rank_info
-from helpers.checks import CheckFailed, ch02
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/02_sync_sgd_data_parallel_lab.ipynb", "solutions/02_sync_sgd_data_parallel_solution.ipynb"
-
-
-def test_stubs_fail_without_starting_ranks():
-    for name, check in [("average_gradients", ch02.check_average_gradients),
-                        ("dp_step", ch02.check_dp_step)]:
-        with pytest.raises(CheckFailed, match="not implemented"):
-            check(exercise(LAB, name))
+from helpers.checks import ch02
 
 
 def _sum_only(model):  # forgets to divide
@@ -58,21 +48,20 @@ def ch02_average(model):
     average_gradients(model)
 
 
-@pytest.mark.slow
-def test_solution_passes_and_mistakes_fail(capsys):
-    ch02.check_average_gradients(exercise(SOL, "average_gradients"))
-    dp_step = exercise(SOL, "dp_step")
-    # the step calls the notebook's average_gradients, defined in another cell
-    dp_step.__globals__["average_gradients"] = exercise(SOL, "average_gradients")
-    ch02.check_dp_step(dp_step)
-    assert capsys.readouterr().out.count("✓") == 2
-    with pytest.raises(CheckFailed, match="divide by the world size"):
-        ch02.check_average_gradients(_sum_only)
-    with pytest.raises(CheckFailed, match="not by a fixed number"):
-        ch02.check_average_gradients(_halves)
-    with pytest.raises(CheckFailed, match="own gradient"):
-        ch02.check_average_gradients(_local_only)
-    with pytest.raises(CheckFailed, match="own slice"):
-        ch02.check_dp_step(_whole_batch_step)
-    with pytest.raises(CheckFailed, match="Zero the gradients"):
-        ch02.check_dp_step(_no_zero_grad_step)
+class TestChapter02(ChapterChecks):
+    lab = "labs/02_sync_sgd_data_parallel_lab.ipynb"
+    sol = "solutions/02_sync_sgd_data_parallel_solution.ipynb"
+    checks = {
+        "average_gradients": Check(ch02.check_average_gradients, slow=True),
+        "dp_step": Check(ch02.check_dp_step, slow=True),
+    }
+    uses = {"dp_step": ("average_gradients",)}  # the step calls the notebook's average_gradients
+    wrong = [
+        Wrong("average_gradients", _sum_only, "forgets to divide", says="divide by the world size"),
+        Wrong("average_gradients", _halves, "divides by a hard-coded 2",
+              says="not by a fixed number"),
+        Wrong("average_gradients", _local_only, "never communicates", says="own gradient"),
+        Wrong("dp_step", _whole_batch_step, "every rank repeats the whole batch", says="own slice"),
+        Wrong("dp_step", _no_zero_grad_step, "gradients pile up across steps",
+              says="Zero the gradients"),
+    ]

@@ -3,28 +3,17 @@
 import sys
 
 import cloudpickle
-import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.checks import CheckFailed, ch03
+from checks_harness import ChapterChecks, Check, Right, Wrong
+from helpers.checks import ch03
 from helpers.collectives import chunk_bounds, ring_all_gather, ring_reduce_scatter
-from tools.nbtool import exercise
 
 # Ship this file's wrong answers to the ranks by value: by reference, every rank would
 # import this module, and with it pytest and nbformat (seconds each on a loaded machine,
 # inside the check's 30 s timeout).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-LAB, SOL = "labs/03_all_reduce_ring_lab.ipynb", "solutions/03_all_reduce_ring_solution.ipynb"
-CHECKS = [("reduce_scatter", ch03.check_reduce_scatter), ("all_gather", ch03.check_all_gather),
-          ("ring_average", ch03.check_ring_average)]
-
-
-def test_stubs_fail_without_starting_ranks():
-    for name, check in CHECKS:
-        with pytest.raises(CheckFailed, match="not implemented"):
-            check(exercise(LAB, name))
 
 
 def _exchange(send, recv):
@@ -90,25 +79,25 @@ def _batched_average(x):  # the reference ring (batch_isend_irecv inside): bytes
     x /= dist.get_world_size()
 
 
-@pytest.mark.slow
-def test_solution_passes_and_mistakes_fail(capsys):
-    sol = {name: exercise(SOL, name) for name, _ in CHECKS}
-    # ring_average calls the notebook's two phases, defined in other cells
-    sol["ring_average"].__globals__.update(reduce_scatter=sol["reduce_scatter"],
-                                          all_gather=sol["all_gather"])
-    for name, check in CHECKS:
-        check(sol[name])
-    assert capsys.readouterr().out.count("✓") == 3
-    with pytest.raises(CheckFailed, match="don't overwrite"):
-        ch03.check_reduce_scatter(_overwrites)
-    with pytest.raises(CheckFailed, match="chunk indices"):
-        ch03.check_reduce_scatter(_off_by_one)
-    with pytest.raises(CheckFailed, match="never arrived"):
-        ch03.check_all_gather(_gather_one_step)
-    with pytest.raises(CheckFailed, match="divide"):
-        ch03.check_ring_average(_forgets_to_divide)
-    with pytest.raises(CheckFailed, match="dist.all_reduce is switched off"):
-        ch03.check_ring_average(_library_average)
-    with pytest.raises(CheckFailed, match="more than a ring's"):
-        ch03.check_ring_average(_whole_tensor_average)
-    ch03.check_ring_average(_batched_average)  # posted as one batch: counted the same
+class TestChapter03(ChapterChecks):
+    lab, sol = "labs/03_all_reduce_ring_lab.ipynb", "solutions/03_all_reduce_ring_solution.ipynb"
+    checks = {
+        "reduce_scatter": Check(ch03.check_reduce_scatter, slow=True),
+        "all_gather": Check(ch03.check_all_gather, slow=True),
+        "ring_average": Check(ch03.check_ring_average, slow=True),
+    }
+    uses = {"ring_average": ("reduce_scatter", "all_gather")}  # the notebook's two phases
+    wrong = [
+        Wrong("reduce_scatter", _overwrites, "receives into place instead of adding",
+              says="don't overwrite"),
+        Wrong("reduce_scatter", _off_by_one, "sends chunk r - s, one off", says="chunk indices"),
+        Wrong("all_gather", _gather_one_step, "only the first step", says="never arrived"),
+        Wrong("ring_average", _forgets_to_divide, "the sum, not the mean", says="divide"),
+        Wrong("ring_average", _library_average, "dist.all_reduce instead of the ring",
+              says="dist.all_reduce is switched off"),
+        Wrong("ring_average", _whole_tensor_average, "passes whole tensors around the ring",
+              says="more than a ring's"),
+    ]
+    right = [
+        Right("ring_average", _batched_average, "posted as one batch: bytes counted the same"),
+    ]

@@ -3,17 +3,14 @@
 import sys
 
 import cloudpickle
-import pytest
 
-from helpers.checks import CheckFailed, ch04
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch04
 from helpers.ddp import BucketedDDP
-from tools.nbtool import exercise
 
 # Ship this file's wrong answers to the ranks by value (by reference, every rank would
 # import this module and with it pytest and nbformat, seconds on a loaded machine).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-LAB, SOL = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
 
 
 def _forward_order(sizes, cap, first):  # buckets in registration order
@@ -36,17 +33,6 @@ def _no_first_cap(sizes, cap, first):  # ignores the small first bucket
             buckets.append(cur)
             cur, filled = [], 0
     return buckets + ([cur] if cur else [])
-
-
-def test_bucket_assignment(capsys):
-    ch04.check_assign_buckets(exercise(SOL, "assign_buckets"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch04.check_assign_buckets(exercise(LAB, "assign_buckets"))
-    with pytest.raises(CheckFailed, match="reverse"):
-        ch04.check_assign_buckets(_forward_order)
-    with pytest.raises(CheckFailed, match="first_cap_bytes"):
-        ch04.check_assign_buckets(_no_first_cap)
 
 
 class _LaunchWhenReady(BucketedDDP):
@@ -93,20 +79,21 @@ class _OneAtATime(BucketedDDP):
             self.next_bucket += 1
 
 
-def test_hook_stub_fails_without_starting_ranks():
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch04.check_grad_ready_hook(exercise(LAB, "MyDDP"))
-
-
-@pytest.mark.slow
-def test_hook_solution_passes_and_mistakes_fail(capsys):
-    ch04.check_grad_ready_hook(exercise(SOL, "MyDDP"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="in the order"):
-        ch04.check_grad_ready_hook(_LaunchWhenReady)
-    with pytest.raises(CheckFailed, match="no overlap"):
-        ch04.check_grad_ready_hook(_LaunchAtEnd)
-    with pytest.raises(CheckFailed, match="writes its averaged values back"):
-        ch04.check_grad_ready_hook(_NoCopyBack)
-    with pytest.raises(CheckFailed, match="never launched"):
-        ch04.check_grad_ready_hook(_OneAtATime)
+class TestChapter04(ChapterChecks):
+    lab, sol = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
+    checks = {
+        "assign_buckets": Check(ch04.check_assign_buckets),
+        "grad_ready_hook": Check(ch04.check_grad_ready_hook, "MyDDP", slow=True),
+    }
+    wrong = [
+        Wrong("assign_buckets", _forward_order, "buckets in registration order", says="reverse"),
+        Wrong("assign_buckets", _no_first_cap, "ignores the small first bucket",
+              says="first_cap_bytes"),
+        Wrong("grad_ready_hook", _LaunchWhenReady, "launches out of order", says="in the order"),
+        Wrong("grad_ready_hook", _LaunchAtEnd, "launches at the end of backward",
+              says="no overlap"),
+        Wrong("grad_ready_hook", _NoCopyBack, "never copies the averages back",
+              says="writes its averaged values back"),
+        Wrong("grad_ready_hook", _OneAtATime, "an `if` where a `while` belongs",
+              says="never launched"),
+    ]

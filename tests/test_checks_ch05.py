@@ -1,11 +1,7 @@
 """Chapter 05's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
-
-from helpers.checks import CheckFailed, ch05
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/05_batch_size_lr_scaling_lab.ipynb", "solutions/05_batch_size_lr_scaling_solution.ipynb"
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch05
 
 
 def _unscaled(ddp, micro):  # forgets the 1/k: k times the gradient
@@ -41,27 +37,17 @@ def _naive_ratio(gs, bs, gb, bb):  # "noise over signal" from the big batch alon
     return (gs - gb) / gb
 
 
-def test_noise_scale(capsys):
-    ch05.check_noise_scale(exercise(SOL, "noise_scale"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch05.check_noise_scale(exercise(LAB, "noise_scale"))
-    with pytest.raises(CheckFailed, match="B_simple is tr"):
-        ch05.check_noise_scale(_inverted)
-    with pytest.raises(CheckFailed):
-        ch05.check_noise_scale(_naive_ratio)
-
-
-def test_accumulate_stub_fails_without_starting_ranks():
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch05.check_accumulate(exercise(LAB, "accumulate"))
-
-
-@pytest.mark.slow
-def test_accumulate_solution_passes_and_mistakes_fail(capsys):
-    ch05.check_accumulate(exercise(SOL, "accumulate"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="1/3"):
-        ch05.check_accumulate(_unscaled)
-    with pytest.raises(CheckFailed, match="no_sync"):
-        ch05.check_accumulate(_always_sync)
+class TestChapter05(ChapterChecks):
+    lab = "labs/05_batch_size_lr_scaling_lab.ipynb"
+    sol = "solutions/05_batch_size_lr_scaling_solution.ipynb"
+    checks = {
+        "noise_scale": Check(ch05.check_noise_scale),
+        "accumulate": Check(ch05.check_accumulate, slow=True),
+    }
+    wrong = [
+        Wrong("noise_scale", _inverted, "the ratio inverted", says="B_simple is tr"),
+        Wrong("noise_scale", _naive_ratio, "noise over signal from the big batch alone",
+              says=None),
+        Wrong("accumulate", _unscaled, "forgets the 1/k", says="1/3"),
+        Wrong("accumulate", _always_sync, "all-reduces every micro-batch", says="no_sync"),
+    ]

@@ -1,22 +1,11 @@
 """Chapter 07's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
 import torch
 
-from helpers.checks import CheckFailed, ch07
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch07
 from helpers.topology import (all_reduce_time, packed_ranks, ring_all_gather, ring_all_reduce,
                               ring_reduce_scatter)
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/07_nccl_topology_lab.ipynb", "solutions/07_nccl_topology_solution.ipynb"
-CHECKS = [("node_layout", ch07.check_node_layout), ("hierarchical", ch07.check_hierarchical),
-          ("placement_times", ch07.check_placement_times)]
-
-
-def test_stubs_fail_without_starting_ranks():
-    for name, check in CHECKS:
-        with pytest.raises(CheckFailed, match="not implemented"):
-            check(exercise(LAB, name))
 
 
 # ---- plausible mistakes in the layout
@@ -39,15 +28,6 @@ def _strided_nodes(world, g):  # a "node" = every (world/g)-th rank: round-robin
 def _no_error(world, g):  # silently drops the ranks that do not fill a node
     grid = torch.arange(world // g * g).view(world // g, g)
     return grid.tolist(), grid.t().tolist()
-
-
-def test_layout_mistakes_fail():
-    with pytest.raises(CheckFailed, match="swapped"):
-        ch07.check_node_layout(_swapped)
-    with pytest.raises(CheckFailed, match="not consecutive ranks"):
-        ch07.check_node_layout(_strided_nodes)
-    with pytest.raises(CheckFailed, match="should raise ValueError"):
-        ch07.check_node_layout(_no_error)
 
 
 # ---- plausible mistakes in the all-reduce (run on 4 ranks)
@@ -78,18 +58,25 @@ def _wrong_placement(topology, nbytes, k):  # both groups packed
     return {"inside": t, "across": t}
 
 
-@pytest.mark.slow
-def test_solution_passes_and_mistakes_fail(capsys):
-    for name, check in CHECKS:
-        check(exercise(SOL, name))
-    assert capsys.readouterr().out.count("✓") == 3
-    with pytest.raises(CheckFailed, match="exactly a flat ring"):
-        ch07.check_hierarchical(_flat)
-    with pytest.raises(CheckFailed, match="only the chunk"):
-        ch07.check_hierarchical(_whole_tensor_across)
-    with pytest.raises(CheckFailed, match="only the chunk"):
-        ch07.check_hierarchical(_groups_swapped)
-    with pytest.raises(CheckFailed, match="does not hold the sum"):
-        ch07.check_hierarchical(_no_all_gather)
-    with pytest.raises(CheckFailed, match="spread the group"):
-        ch07.check_placement_times(_wrong_placement)
+class TestChapter07(ChapterChecks):
+    lab, sol = "labs/07_nccl_topology_lab.ipynb", "solutions/07_nccl_topology_solution.ipynb"
+    checks = {
+        "node_layout": Check(ch07.check_node_layout),
+        "hierarchical": Check(ch07.check_hierarchical, slow=True),
+        "placement_times": Check(ch07.check_placement_times),
+    }
+    wrong = [
+        Wrong("node_layout", _swapped, "intra and inter swapped", says="swapped"),
+        Wrong("node_layout", _strided_nodes, "round-robin rank numbering",
+              says="not consecutive ranks"),
+        Wrong("node_layout", _no_error, "drops the ranks that do not fill a node",
+              says="should raise ValueError"),
+        Wrong("hierarchical", _flat, "a flat ring over the world", says="exactly a flat ring"),
+        Wrong("hierarchical", _whole_tensor_across, "all of x across nodes",
+              says="only the chunk"),
+        Wrong("hierarchical", _groups_swapped, "reduce-scatter across nodes, all-reduce inside",
+              says="only the chunk"),
+        Wrong("hierarchical", _no_all_gather, "forgets the all-gather",
+              says="does not hold the sum"),
+        Wrong("placement_times", _wrong_placement, "both groups packed", says="spread the group"),
+    ]

@@ -2,20 +2,9 @@
 
 import copy
 
-import pytest
-
-from helpers.checks import CheckFailed, ch09
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch09
 from helpers.tp import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/09_tp_in_transformer_lab.ipynb", "solutions/09_tp_in_transformer_solution.ipynb"
-
-
-def test_solution_passes_and_stub_fails(capsys):
-    ch09.check_parallelize_block(exercise(SOL, "parallelize_block"))
-    assert capsys.readouterr().out.count("✓") == 1
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch09.check_parallelize_block(exercise(LAB, "parallelize_block"))
 
 
 def _qkv_split_contiguously(block, group=None):
@@ -38,11 +27,12 @@ def _mlp_left_dense(block, group=None):
     return tp
 
 
-def test_qkv_split_contiguously_fails():
-    with pytest.raises(CheckFailed, match="split by heads"):
-        ch09.check_parallelize_block(_qkv_split_contiguously)
-
-
-def test_mlp_left_dense_fails():
-    with pytest.raises(CheckFailed, match="still dense"):
-        ch09.check_parallelize_block(_mlp_left_dense)
+class TestChapter09(ChapterChecks):
+    lab = "labs/09_tp_in_transformer_lab.ipynb"
+    sol = "solutions/09_tp_in_transformer_solution.ipynb"
+    checks = {"parallelize_block": Check(ch09.check_parallelize_block)}
+    wrong = [
+        Wrong("parallelize_block", _qkv_split_contiguously, "q, k, v split contiguously",
+              says="split by heads"),
+        Wrong("parallelize_block", _mlp_left_dense, "the MLP left dense", says="still dense"),
+    ]

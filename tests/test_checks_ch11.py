@@ -1,21 +1,11 @@
 """Chapter 11's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.checks import CheckFailed, ch11
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch11
 from helpers.model import lm_loss
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/11_pipeline_basics_lab.ipynb", "solutions/11_pipeline_basics_solution.ipynb"
-
-
-def test_partition_solution_passes_and_stub_fails(capsys):
-    ch11.check_balanced_partition(exercise(SOL, "balanced_partition"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch11.check_balanced_partition(exercise(LAB, "balanced_partition"))
 
 
 def _greedy(costs, k):
@@ -33,19 +23,10 @@ def _greedy(costs, k):
     return stages
 
 
-def test_greedy_partition_fails():
-    with pytest.raises(CheckFailed, match="slowest stage"):
-        ch11.check_balanced_partition(_greedy)
-
-
-def test_partition_without_error_fails():
-    def by_count(costs, k):  # equal layer counts, no check for too few layers
-        n = len(costs)
-        edges = [round(i * n / k) for i in range(k + 1)]
-        return [range(a, b) for a, b in zip(edges, edges[1:])]
-
-    with pytest.raises(CheckFailed):
-        ch11.check_balanced_partition(by_count)
+def _by_count(costs, k):  # equal layer counts, no check for too few layers
+    n = len(costs)
+    edges = [round(i * n / k) for i in range(k + 1)]
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
 def _ignores_received_grad(stage, x, y):
@@ -91,14 +72,21 @@ def _recv_before_send(stage, x, y):
     return None
 
 
-@pytest.mark.slow
-def test_stage_loop_check():
-    # the stub last: a rank that raises kills the pooled ranks, so the others reuse them
-    ch11.check_run_stage(exercise(SOL, "run_stage"))
-    with pytest.raises(CheckFailed, match="gradient of .* differs"):
-        ch11.check_run_stage(_ignores_received_grad)
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch11.check_run_stage(exercise(LAB, "run_stage"))
-    # a loop that hangs is stopped and reported (short timeout to keep the suite fast)
-    with pytest.raises(CheckFailed, match=r"hung: rank\(s\) \[0, 1, 2, 3\]"):
-        ch11.check_run_stage(_recv_before_send, timeout=3)
+class TestChapter11(ChapterChecks):
+    lab, sol = "labs/11_pipeline_basics_lab.ipynb", "solutions/11_pipeline_basics_solution.ipynb"
+    # (the run_stage stub, unlike most, fails on the ranks: its test starts them too)
+    checks = {
+        "balanced_partition": Check(ch11.check_balanced_partition),
+        "run_stage": Check(ch11.check_run_stage, slow=True),
+    }
+    wrong = [
+        Wrong("balanced_partition", _greedy, "greedy fill up to the average",
+              says="slowest stage"),
+        Wrong("balanced_partition", _by_count, "equal layer counts, no error for too few layers",
+              says=None),
+        Wrong("run_stage", _ignores_received_grad, "backprops ones, not the received gradient",
+              says="gradient of .* differs"),
+        # a loop that hangs is stopped and reported (short timeout to keep the suite fast)
+        Wrong("run_stage", _recv_before_send, "receives before it sends: deadlock",
+              says=r"hung: rank\(s\) \[0, 1, 2, 3\]", kwargs={"timeout": 3}),
+    ]

@@ -1,13 +1,12 @@
 """Chapter 12's checks pass on the solution, fail on the lab's stub, on GPipe order and
 on a schedule that deadlocks."""
 
-import pytest
-
-from helpers.checks import CheckFailed, ch12
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch12
 from helpers.pipeline import B, F, gpipe
 from tools.nbtool import exercise
 
-LAB, SOL = "labs/12_pipeline_schedules_lab.ipynb", "solutions/12_pipeline_schedules_solution.ipynb"
+SOL = "solutions/12_pipeline_schedules_solution.ipynb"
 
 
 def reversed_warmup(p, m):
@@ -25,46 +24,6 @@ def one_short(p, m):
         out.append([F(j) for j in range(w)] + [a for k in range(m - w) for a in (F(k + w), B(k))]
                    + [B(j) for j in range(m - w, m)])
     return out
-
-
-def test_bubble_check(capsys):
-    ch12.check_bubble_fraction(exercise(SOL, "bubble_fraction"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch12.check_bubble_fraction(exercise(LAB, "bubble_fraction"))
-    with pytest.raises(CheckFailed, match="relative to the ideal"):
-        ch12.check_bubble_fraction(lambda p, m, v=1: (p - 1) / (v * m))
-    with pytest.raises(CheckFailed):  # forgot that interleaving divides the fill by v
-        ch12.check_bubble_fraction(lambda p, m, v=1: (p - 1) / (m + p - 1))
-
-
-def test_one_f_one_b_check(capsys):
-    ch12.check_one_f_one_b(exercise(SOL, "one_f_one_b"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch12.check_one_f_one_b(exercise(LAB, "one_f_one_b"))
-    with pytest.raises(CheckFailed, match=r"holds up to \[2\] micro-batches"):
-        ch12.check_one_f_one_b(gpipe)
-    with pytest.raises(CheckFailed, match="can never finish.*deadlocks"):
-        ch12.check_one_f_one_b(reversed_warmup)
-    with pytest.raises(CheckFailed):
-        ch12.check_one_f_one_b(one_short)
-    with pytest.raises(CheckFailed, match="not a valid schedule"):
-        ch12.check_one_f_one_b(lambda p, m: [[F(j) for j in range(m)] for _ in range(p)])
-
-
-@pytest.mark.slow
-def test_on_ranks_check(capsys):
-    # these two fail before any rank starts
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch12.check_one_f_one_b_on_ranks(exercise(LAB, "one_f_one_b"))
-    with pytest.raises(CheckFailed, match="can never finish"):
-        ch12.check_one_f_one_b_on_ranks(reversed_warmup)
-    # GPipe order runs correctly on the ranks, but its measured stash gives it away
-    with pytest.raises(CheckFailed, match=r"measured peak stash \[4, 4\]"):
-        ch12.check_one_f_one_b_on_ranks(gpipe)
-    ch12.check_one_f_one_b_on_ranks(exercise(SOL, "one_f_one_b"))
-    assert "✓" in capsys.readouterr().out
 
 
 def _w_after_b(p, m):
@@ -86,16 +45,34 @@ def _w_before_b(p, m):
             for row in one_f_one_b(p, m)]
 
 
-def test_zb_h1_check(capsys):
-    ch12.check_zb_h1(exercise(SOL, "zb_h1"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch12.check_zb_h1(exercise(LAB, "zb_h1"))
-    with pytest.raises(CheckFailed, match="W runs right after its B"):
-        ch12.check_zb_h1(_w_after_b)
-    with pytest.raises(CheckFailed, match="keeps 1F1B's memory"):
-        ch12.check_zb_h1(_all_w_last)
-    with pytest.raises(CheckFailed, match="comes before its input-gradient backward"):
-        ch12.check_zb_h1(_w_before_b)
-    with pytest.raises(CheckFailed, match="no W actions"):
-        ch12.check_zb_h1(lambda p, m: exercise(SOL, "one_f_one_b")(p, m))
+class TestChapter12(ChapterChecks):
+    lab, sol = "labs/12_pipeline_schedules_lab.ipynb", SOL
+    checks = {
+        "bubble_fraction": Check(ch12.check_bubble_fraction),
+        "one_f_one_b": Check(ch12.check_one_f_one_b),
+        # the stub and a deadlocking schedule fail before any rank starts
+        "one_f_one_b on ranks": Check(ch12.check_one_f_one_b_on_ranks, "one_f_one_b", slow=True),
+        "zb_h1": Check(ch12.check_zb_h1),
+    }
+    wrong = [
+        Wrong("bubble_fraction", lambda p, m, v=1: (p - 1) / (v * m),
+              "relative to the whole step, not the ideal", says="relative to the ideal"),
+        Wrong("bubble_fraction", lambda p, m, v=1: (p - 1) / (m + p - 1),
+              "forgets that interleaving divides the fill by v", says=None),
+        Wrong("one_f_one_b", gpipe, "GPipe order", says=r"holds up to \[2\] micro-batches"),
+        Wrong("one_f_one_b", reversed_warmup, "warm-up of r forwards: deadlock",
+              says="can never finish.*deadlocks"),
+        Wrong("one_f_one_b", one_short, "warm-up one forward short", says=None),
+        Wrong("one_f_one_b", lambda p, m: [[F(j) for j in range(m)] for _ in range(p)],
+              "forwards only", says="not a valid schedule"),
+        Wrong("one_f_one_b on ranks", reversed_warmup, "warm-up of r forwards: deadlock",
+              says="can never finish"),
+        # GPipe order runs correctly on the ranks, but its measured stash gives it away
+        Wrong("one_f_one_b on ranks", gpipe, "GPipe order", says=r"measured peak stash \[4, 4\]"),
+        Wrong("zb_h1", _w_after_b, "W right after its B", says="W runs right after its B"),
+        Wrong("zb_h1", _all_w_last, "every W postponed to the end", says="keeps 1F1B's memory"),
+        Wrong("zb_h1", _w_before_b, "W before its B",
+              says="comes before its input-gradient backward"),
+        Wrong("zb_h1", lambda p, m: exercise(SOL, "one_f_one_b")(p, m), "plain 1F1B, no W",
+              says="no W actions"),
+    ]

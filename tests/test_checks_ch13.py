@@ -1,28 +1,12 @@
 """Lab 13 checks: pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
 import torch
 
-from helpers.checks import CheckFailed
+from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch13
 from tools.nbtool import exercise
 
 SOL = "solutions/13_recompute_and_precision_solution.ipynb"
-LAB = "labs/13_recompute_and_precision_lab.ipynb"
-CASES = [("Checkpoint", ch13.check_checkpoint),
-         ("update_delayed_scale", ch13.check_delayed_scale)]
-
-
-@pytest.mark.parametrize("name, check", CASES)
-def test_solution_passes(name, check, capsys):
-    check(exercise(SOL, name))
-    assert capsys.readouterr().out.startswith("✓")
-
-
-@pytest.mark.parametrize("name, check", CASES)
-def test_lab_stub_fails(name, check):
-    with pytest.raises(CheckFailed, match="not implemented yet"):
-        check(exercise(LAB, name))
 
 
 class NoRngRestore(torch.autograd.Function):
@@ -88,43 +72,20 @@ class RestoresWithoutFork(torch.autograd.Function):
         return None, x.grad
 
 
-def test_checkpoint_without_fork_rng_fails():
-    with pytest.raises(CheckFailed, match="fork_rng"):
-        ch13.check_checkpoint(RestoresWithoutFork)
+def _current_scaling(hist, new_amax, scale, fp8_max, margin=0):  # the latest amax, no history
+    hist = torch.roll(hist, 1)
+    hist[0] = new_amax
+    return hist, torch.tensor(fp8_max / new_amax / 2 ** margin if new_amax else scale)
 
 
-def test_checkpoint_without_rng_restore_fails():
-    with pytest.raises(CheckFailed, match="same mask"):
-        ch13.check_checkpoint(NoRngRestore)
+def _no_margin(hist, new_amax, scale, fp8_max, margin=0):  # the solution, margin ignored
+    return exercise(SOL, "update_delayed_scale")(hist, new_amax, scale, fp8_max, 0)
 
 
-def test_checkpoint_keeping_too_much_fails():
-    with pytest.raises(CheckFailed, match="only the input"):
-        ch13.check_checkpoint(KeepsGraph)
-
-
-def test_current_scaling_instead_of_history_fails():
-    def current(hist, new_amax, scale, fp8_max, margin=0):
-        hist = torch.roll(hist, 1)
-        hist[0] = new_amax
-        return hist, torch.tensor(fp8_max / new_amax / 2 ** margin if new_amax else scale)
-    with pytest.raises(CheckFailed, match="scale should be"):
-        ch13.check_delayed_scale(current)
-
-
-def test_forgetting_margin_fails():
-    good = exercise(SOL, "update_delayed_scale")
-    with pytest.raises(CheckFailed, match="margin=1"):
-        ch13.check_delayed_scale(lambda h, a, s, m, margin=0: good(h, a, s, m, 0))
-
-
-def test_history_not_rolled_fails():
-    def no_roll(hist, new_amax, scale, fp8_max, margin=0):
-        hist = hist.clone()
-        hist[0] = new_amax
-        return hist, torch.as_tensor(fp8_max / hist.max() / 2 ** margin if hist.max() else scale)
-    with pytest.raises(CheckFailed, match="history should be"):
-        ch13.check_delayed_scale(no_roll)
+def _no_roll(hist, new_amax, scale, fp8_max, margin=0):  # overwrites the newest entry
+    hist = hist.clone()
+    hist[0] = new_amax
+    return hist, torch.as_tensor(fp8_max / hist.max() / 2 ** margin if hist.max() else scale)
 
 
 def _one_scale(x):  # per-tensor current scaling: one scale for everything
@@ -147,14 +108,26 @@ def _rounded_exponent(x):  # round(log2 amax) instead of floor: half the scale f
     return (b * s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(R, C), s
 
 
-def test_mx_quantize_check(capsys):
-    ch13.check_mx_quantize(exercise(SOL, "mx_quantize"))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch13.check_mx_quantize(exercise(LAB, "mx_quantize"))
-    with pytest.raises(CheckFailed, match="per-tensor scaling"):
-        ch13.check_mx_quantize(_one_scale)
-    with pytest.raises(CheckFailed, match="powers of two"):
-        ch13.check_mx_quantize(_not_power_of_two)
-    with pytest.raises(CheckFailed, match="expected"):
-        ch13.check_mx_quantize(_rounded_exponent)
+class TestChapter13(ChapterChecks):
+    lab, sol = "labs/13_recompute_and_precision_lab.ipynb", SOL
+    checks = {
+        "checkpoint": Check(ch13.check_checkpoint, "Checkpoint"),
+        "delayed_scale": Check(ch13.check_delayed_scale, "update_delayed_scale"),
+        "mx_quantize": Check(ch13.check_mx_quantize),
+    }
+    wrong = [
+        Wrong("checkpoint", RestoresWithoutFork, "rewinds the global RNG, no fork_rng",
+              says="fork_rng"),
+        Wrong("checkpoint", NoRngRestore, "a fresh dropout mask in the recompute",
+              says="same mask"),
+        Wrong("checkpoint", KeepsGraph, "saves the output too", says="only the input"),
+        Wrong("delayed_scale", _current_scaling, "current scaling instead of the history",
+              says="scale should be"),
+        Wrong("delayed_scale", _no_margin, "forgets the margin", says="margin=1"),
+        Wrong("delayed_scale", _no_roll, "history not rolled", says="history should be"),
+        Wrong("mx_quantize", _one_scale, "one scale per tensor", says="per-tensor scaling"),
+        Wrong("mx_quantize", _not_power_of_two, "scales not powers of two",
+              says="powers of two"),
+        Wrong("mx_quantize", _rounded_exponent, "rounds the exponent instead of flooring",
+              says="expected"),
+    ]

@@ -1,36 +1,16 @@
 """Chapter 14's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.checks import CheckFailed, ch14
+from checks_harness import ChapterChecks, Check, Right, Wrong
+from helpers.checks import ch14
 from helpers.zero import adamw_update, all_gather, reduce_scatter
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/14_zero_stages_lab.ipynb", "solutions/14_zero_stages_solution.ipynb"
 
 
-@pytest.mark.parametrize("name, check", [
-    ("shard_bounds", ch14.check_shard_bounds),
-    ("zero1_step", ch14.check_zero1_step),
-    ("reduce_scatter_bucket", ch14.check_reduce_scatter_bucket),
-    ("attach_zero2", ch14.check_attach_zero2),
-])
-def test_solution_passes_and_stub_fails(name, check, capsys):
-    check(exercise(SOL, name))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        check(exercise(LAB, name))
-
-
-def test_no_padding_fails():
-    def floor_chunks(numel, world_size, rank):
-        chunk = numel // world_size
-        return rank * chunk, (rank + 1) * chunk, numel
-
-    with pytest.raises(CheckFailed, match="Pad"):
-        ch14.check_shard_bounds(floor_chunks)
+def _floor_chunks(numel, world_size, rank):  # no padding: the last numel % world_size dropped
+    chunk = numel // world_size
+    return rank * chunk, (rank + 1) * chunk, numel
 
 
 def _zero1(average_twice=False, gather=True):
@@ -49,39 +29,22 @@ def _zero1(average_twice=False, gather=True):
     return zero1_step
 
 
-def test_forgetting_the_all_gather_fails():
-    with pytest.raises(CheckFailed, match="all-gather"):
-        ch14.check_zero1_step(_zero1(gather=False))
+def _summed(grads, group=None):  # reduce-scatters the sum: forgets to divide by N
+    N = dist.get_world_size(group)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    buf = torch.zeros(-(-flat.numel() // N) * N)
+    buf[:flat.numel()] = flat
+    out = torch.empty(buf.numel() // N)
+    reduce_scatter(out, buf, group=group)
+    return out
 
 
-def test_averaging_twice_fails():
-    ch14.check_zero1_step(_zero1())  # the right answer, written as in the tests' helper
-    with pytest.raises(CheckFailed, match="averaged twice"):
-        ch14.check_zero1_step(_zero1(average_twice=True))
-
-
-def test_bucket_mistakes_fail():
-    def summed(grads, group=None):
-        N = dist.get_world_size(group)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        buf = torch.zeros(-(-flat.numel() // N) * N)
-        buf[:flat.numel()] = flat
-        out = torch.empty(buf.numel() // N)
-        reduce_scatter(out, buf, group=group)
-        return out
-
-    with pytest.raises(CheckFailed, match="summed"):
-        ch14.check_reduce_scatter_bucket(summed)
-
-    def unpadded(grads, group=None):
-        N = dist.get_world_size(group)
-        flat = torch.cat([g.reshape(-1) for g in grads]) / N
-        out = torch.empty(flat.numel() // N)
-        reduce_scatter(out, flat[:out.numel() * N], group=group)
-        return out
-
-    with pytest.raises(CheckFailed):
-        ch14.check_reduce_scatter_bucket(unpadded)
+def _unpadded(grads, group=None):  # drops the last numel % N elements instead of padding
+    N = dist.get_world_size(group)
+    flat = torch.cat([g.reshape(-1) for g in grads]) / N
+    out = torch.empty(flat.numel() // N)
+    reduce_scatter(out, flat[:out.numel() * N], group=group)
+    return out
 
 
 def _zero2(free=True, average=True, accumulate=True, all_reduce=False):
@@ -113,12 +76,28 @@ def _zero2(free=True, average=True, accumulate=True, all_reduce=False):
     return attach_zero2
 
 
-@pytest.mark.parametrize("wrong, match", [
-    (dict(free=False), "still in p.grad"),
-    (dict(average=False), "2x the average"),
-    (dict(accumulate=False), "Add into the shard"),
-    (dict(all_reduce=True), "all_reduce refused"),
-])
-def test_zero2_hook_mistakes_fail(wrong, match):
-    with pytest.raises(CheckFailed, match=match):
-        ch14.check_attach_zero2(_zero2(**wrong))
+class TestChapter14(ChapterChecks):
+    lab, sol = "labs/14_zero_stages_lab.ipynb", "solutions/14_zero_stages_solution.ipynb"
+    checks = {
+        "shard_bounds": Check(ch14.check_shard_bounds),
+        "zero1_step": Check(ch14.check_zero1_step),
+        "reduce_scatter_bucket": Check(ch14.check_reduce_scatter_bucket),
+        "attach_zero2": Check(ch14.check_attach_zero2),
+    }
+    wrong = [
+        Wrong("shard_bounds", _floor_chunks, "no padding", says="Pad"),
+        Wrong("zero1_step", _zero1(gather=False), "forgets the all-gather", says="all-gather"),
+        Wrong("zero1_step", _zero1(average_twice=True), "averages twice", says="averaged twice"),
+        Wrong("reduce_scatter_bucket", _summed, "the sum, not the average", says="summed"),
+        Wrong("reduce_scatter_bucket", _unpadded, "no padding", says=None),
+        Wrong("attach_zero2", _zero2(free=False), "keeps p.grad", says="still in p.grad"),
+        Wrong("attach_zero2", _zero2(average=False), "the sum, not the average",
+              says="2x the average"),
+        Wrong("attach_zero2", _zero2(accumulate=False), "overwrites the shard",
+              says="Add into the shard"),
+        Wrong("attach_zero2", _zero2(all_reduce=True), "all-reduce, then keep a slice",
+              says="all_reduce refused"),
+    ]
+    right = [
+        Right("zero1_step", _zero1(), "the right answer, written as these wrong ones"),
+    ]

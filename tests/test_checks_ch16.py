@@ -1,58 +1,32 @@
 """Chapter 16's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
+from functools import partial
 
-from helpers.checks import CheckFailed, ch16
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/16_comm_overlap_lab.ipynb", "solutions/16_comm_overlap_solution.ipynb"
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch16
 
 
-@pytest.mark.parametrize("name, check", [
-    ("union_length", ch16.check_union_length),
-    ("prefetch", ch16.check_prefetch),
-    ("topk_ef_hook", ch16.check_topk_ef_hook),
-])
-def test_solution_passes_and_stub_fails(name, check, capsys):
-    check(exercise(SOL, name))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        check(exercise(LAB, name))
+def _no_sort(spans):  # merges overlaps in the given order, without sorting first
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
 
 
-def test_plain_sum_and_unsorted_merge_fail():
-    with pytest.raises(CheckFailed, match="plain sum"):
-        ch16.check_union_length(lambda spans: sum(b - a for a, b in spans))
-
-    def no_sort(spans):
-        total, end = 0.0, float("-inf")
-        for a, b in spans:
-            total += max(0.0, b - max(a, end))
-            end = max(end, b)
-        return total
-
-    with pytest.raises(CheckFailed):
-        ch16.check_union_length(no_sort)
+def _same_direction(fsdp, i, phase):  # i + 1 in backward too: that unit already ran
+    if i + 1 < len(fsdp.units):
+        fsdp.gather_async(fsdp.units[i + 1])
 
 
-def test_prefetch_mistakes_fail():
-    def same_direction(fsdp, i, phase):  # i + 1 in backward too: that unit already ran
-        if i + 1 < len(fsdp.units):
-            fsdp.gather_async(fsdp.units[i + 1])
-
-    with pytest.raises(CheckFailed, match="bytes sent|backward"):
-        ch16.check_prefetch(same_direction)
-
-    def everything(fsdp, i, phase):  # gathers all units at once: memory of DDP
-        for u in fsdp.units:
-            fsdp.gather_async(u)
-
-    with pytest.raises(CheckFailed):
-        ch16.check_prefetch(everything)
+def _everything(fsdp, i, phase):  # gathers all units at once: memory of DDP
+    for u in fsdp.units:
+        fsdp.gather_async(u)
 
 
 def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True):
-    """The solution's mechanism with one switch turned wrong at a time."""
+    """The solution's mechanism with one switch turned wrong at a time (with every
+    switch right, it is the solution)."""
     import math
 
     import torch
@@ -83,15 +57,26 @@ def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True):
     return hook
 
 
-@pytest.mark.parametrize("wrong, match", [
-    (dict(feedback=False), "without error feedback"),
-    (dict(average=False), "the sum"),
-    (dict(dense=True), "dense all_reduce refused"),
-    (dict(zero_sent=False), "the error you keep"),
-])
-def test_topk_mistakes_fail(wrong, match):
-    from functools import partial
-
-    # (with every switch right, _topk_hook is the solution: test_solution_passes covers it)
-    with pytest.raises(CheckFailed, match=match):
-        ch16.check_topk_ef_hook(partial(_topk_hook, **wrong))
+class TestChapter16(ChapterChecks):
+    lab, sol = "labs/16_comm_overlap_lab.ipynb", "solutions/16_comm_overlap_solution.ipynb"
+    checks = {
+        "union_length": Check(ch16.check_union_length),
+        "prefetch": Check(ch16.check_prefetch),
+        "topk_ef_hook": Check(ch16.check_topk_ef_hook),
+    }
+    wrong = [
+        Wrong("union_length", lambda spans: sum(b - a for a, b in spans),
+              "a plain sum of the spans", says="plain sum"),
+        Wrong("union_length", _no_sort, "merges without sorting", says=None),
+        Wrong("prefetch", _same_direction, "prefetches i + 1 in backward too",
+              says="bytes sent|backward"),
+        Wrong("prefetch", _everything, "gathers every unit at once", says=None),
+        Wrong("topk_ef_hook", partial(_topk_hook, feedback=False), "no error feedback",
+              says="without error feedback"),
+        Wrong("topk_ef_hook", partial(_topk_hook, average=False), "the sum, not the average",
+              says="the sum"),
+        Wrong("topk_ef_hook", partial(_topk_hook, dense=True), "averages densely first",
+              says="dense all_reduce refused"),
+        Wrong("topk_ef_hook", partial(_topk_hook, zero_sent=False),
+              "keeps the sent values in the error", says="the error you keep"),
+    ]

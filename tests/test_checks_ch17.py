@@ -4,25 +4,10 @@ import math
 import random
 
 import numpy as np
-import pytest
 import torch
 
-from helpers.checks import CheckFailed, ch17
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/17_checkpoint_resume_lab.ipynb", "solutions/17_checkpoint_resume_solution.ipynb"
-
-
-def test_solution_passes_and_stubs_fail(capsys):
-    ch17.check_resume_extras(exercise(SOL, "capture_extras"), exercise(SOL, "restore_extras"))
-    ch17.check_optimal_interval(exercise(SOL, "optimal_interval"))
-    assert capsys.readouterr().out.count("✓") == 2
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch17.check_resume_extras(exercise(LAB, "capture_extras"), exercise(LAB, "restore_extras"))
-    with pytest.raises(CheckFailed, match="not implemented"):  # a finished capture, stub restore
-        ch17.check_resume_extras(exercise(SOL, "capture_extras"), exercise(LAB, "restore_extras"))
-    with pytest.raises(CheckFailed, match="not implemented"):
-        ch17.check_optimal_interval(exercise(LAB, "optimal_interval"))
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch17
 
 
 def _capture_all(sampler):
@@ -37,38 +22,43 @@ def _restore_numpy(state):
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, g, c))
 
 
-def test_a_resume_that_forgets_the_torch_rng_fails():
-    def restore(state, sampler):
-        sampler.load_state_dict(state["sampler"])
-        random.setstate(state["python"])
-        _restore_numpy(state)
-
-    with pytest.raises(CheckFailed, match="torch .dropout masks. generator"):
-        ch17.check_resume_extras(_capture_all, restore)
+def _restore_without_torch(state, sampler):
+    sampler.load_state_dict(state["sampler"])
+    random.setstate(state["python"])
+    _restore_numpy(state)
 
 
-def test_a_resume_that_restarts_the_sampler_fails():
-    def restore(state, sampler):  # every RNG back, but the epoch starts over
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        _restore_numpy(state)
-
-    with pytest.raises(CheckFailed, match="restarted from the beginning"):
-        ch17.check_resume_extras(_capture_all, restore)
+def _restore_without_sampler(state, sampler):  # every RNG back, but the epoch starts over
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    _restore_numpy(state)
 
 
-def test_a_resume_that_forgets_numpy_fails():
-    def restore(state, sampler):
-        sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-
-    with pytest.raises(CheckFailed, match="NumPy"):
-        ch17.check_resume_extras(_capture_all, restore)
+def _restore_without_numpy(state, sampler):
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
 
 
-def test_wrong_intervals_fail():
-    with pytest.raises(CheckFailed, match="optimal_interval"):  # the 2 forgotten
-        ch17.check_optimal_interval(lambda c, m: math.sqrt(c * m))
-    with pytest.raises(CheckFailed, match="optimal_interval"):  # the half interval forgotten
-        ch17.check_optimal_interval(lambda c, m: math.sqrt(c * m / 2))
+class TestChapter17(ChapterChecks):
+    lab = "labs/17_checkpoint_resume_lab.ipynb"
+    sol = "solutions/17_checkpoint_resume_solution.ipynb"
+    checks = {
+        "resume_extras": Check(ch17.check_resume_extras, "capture_extras", "restore_extras"),
+        "optimal_interval": Check(ch17.check_optimal_interval),
+    }
+    wrong = [
+        Wrong("resume_extras", {"capture_extras": _capture_all,
+                                "restore_extras": _restore_without_torch},
+              "forgets the torch RNG", says="torch .dropout masks. generator"),
+        Wrong("resume_extras", {"capture_extras": _capture_all,
+                                "restore_extras": _restore_without_sampler},
+              "restarts the sampler", says="restarted from the beginning"),
+        Wrong("resume_extras", {"capture_extras": _capture_all,
+                                "restore_extras": _restore_without_numpy},
+              "forgets NumPy's RNG", says="NumPy"),
+        Wrong("optimal_interval", lambda c, m: math.sqrt(c * m), "the 2 forgotten",
+              says="optimal_interval"),
+        Wrong("optimal_interval", lambda c, m: math.sqrt(c * m / 2),
+              "the half interval forgotten", says="optimal_interval"),
+    ]

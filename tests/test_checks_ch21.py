@@ -1,26 +1,11 @@
 """Chapter 21's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers.checks import CheckFailed, ch21
-from tools.nbtool import exercise
-
-LAB, SOL = "labs/21_expert_parallelism_lab.ipynb", "solutions/21_expert_parallelism_solution.ipynb"
-
-
-@pytest.mark.parametrize("name, check", [
-    ("route_top_k", ch21.check_route_top_k),
-    ("dispatch", ch21.check_dispatch),
-    ("combine", ch21.check_combine),
-])
-def test_solution_passes_and_stub_fails(name, check, capsys):
-    check(exercise(SOL, name))
-    assert "✓" in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="not implemented"):
-        check(exercise(LAB, name))
+from checks_harness import ChapterChecks, Check, Wrong
+from helpers.checks import ch21
 
 
 def _route(logits, k, capacity, renorm=True, token_major=False):
@@ -36,52 +21,55 @@ def _route(logits, k, capacity, renorm=True, token_major=False):
     return gates, experts, keep.reshape(T, k) if token_major else keep.reshape(k, T).t()
 
 
-def test_route_mistakes_fail():
-    with pytest.raises(CheckFailed, match="renormalize"):
-        ch21.check_route_top_k(lambda lg, k, c: _route(lg, k, c, renorm=False))
-    with pytest.raises(CheckFailed, match="first choice"):   # token 0's 2nd before token 1's 1st
-        ch21.check_route_top_k(lambda lg, k, c: _route(lg, k, c, token_major=True))
-    with pytest.raises(CheckFailed, match="raw probability"):  # top-1 renormalized: gate 1
-        ch21.check_route_top_k(
-            lambda lg, k, c: (torch.ones(lg.size(0), k),) + _route(lg, k, c)[1:])
+def _no_exchange(rows, counts, group):
+    # assumes every rank receives what it sends: the receive sizes are guessed
+    P = dist.get_world_size(group)
+    send = counts.view(P, -1).sum(1).tolist()
+    received = rows.new_empty(sum(send), rows.size(1))
+    dist.all_to_all_single(received, rows, send, send, group=group)
+    return received, counts.view(P, -1)
 
 
-def test_dispatch_without_split_exchange_fails():
-    def no_exchange(rows, counts, group):
-        # assumes every rank receives what it sends: the receive sizes are guessed
-        P = dist.get_world_size(group)
-        send = counts.view(P, -1).sum(1).tolist()
-        received = rows.new_empty(sum(send), rows.size(1))
-        dist.all_to_all_single(received, rows, send, send, group=group)
-        return received, counts.view(P, -1)
-
-    with pytest.raises(CheckFailed, match="Exchange the counts first"):
-        ch21.check_dispatch(no_exchange)
-
-    def equal_splits(rows, counts, group):  # exchanges counts but ignores them for the rows
-        P = dist.get_world_size(group)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
-        n = rows.size(0) - rows.size(0) % P
-        received = torch.empty_like(rows[:n])
-        dist.all_to_all_single(received, rows[:n].contiguous(), group=group)
-        return received, recv_counts.view(P, -1)
-
-    with pytest.raises(CheckFailed, match="Exchange the counts first|received rows differ"):
-        ch21.check_dispatch(equal_splits)
+def _equal_splits(rows, counts, group):  # exchanges counts but ignores them for the rows
+    P = dist.get_world_size(group)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    n = rows.size(0) - rows.size(0) % P
+    received = torch.empty_like(rows[:n])
+    dist.all_to_all_single(received, rows[:n].contiguous(), group=group)
+    return received, recv_counts.view(P, -1)
 
 
-def test_combine_without_gates_fails():
-    def no_gates(out, token_ids, gates, T):
-        return out.new_zeros(T, out.size(1)).index_add_(0, token_ids, out)
+def _no_gates(out, token_ids, gates, T):
+    return out.new_zeros(T, out.size(1)).index_add_(0, token_ids, out)
 
-    with pytest.raises(CheckFailed, match="plain sum"):
-        ch21.check_combine(no_gates)
 
-    def overwrite(out, token_ids, gates, T):  # assignment keeps only one choice per token
-        y = out.new_zeros(T, out.size(1))
-        y[token_ids] = out * gates.unsqueeze(1)
-        return y
+def _overwrite(out, token_ids, gates, T):  # assignment keeps only one choice per token
+    y = out.new_zeros(T, out.size(1))
+    y[token_ids] = out * gates.unsqueeze(1)
+    return y
 
-    with pytest.raises(CheckFailed):
-        ch21.check_combine(overwrite)
+
+class TestChapter21(ChapterChecks):
+    lab = "labs/21_expert_parallelism_lab.ipynb"
+    sol = "solutions/21_expert_parallelism_solution.ipynb"
+    checks = {
+        "route_top_k": Check(ch21.check_route_top_k),
+        "dispatch": Check(ch21.check_dispatch),
+        "combine": Check(ch21.check_combine),
+    }
+    wrong = [
+        Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, renorm=False),
+              "gates not renormalized", says="renormalize"),
+        # token 0's 2nd choice placed before token 1's 1st
+        Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, token_major=True),
+              "capacity filled token-major", says="first choice"),
+        Wrong("route_top_k", lambda lg, k, c: (torch.ones(lg.size(0), k),) + _route(lg, k, c)[1:],
+              "top-1 renormalized: gate 1", says="raw probability"),
+        Wrong("dispatch", _no_exchange, "receive sizes guessed, counts not exchanged",
+              says="Exchange the counts first"),
+        Wrong("dispatch", _equal_splits, "counts exchanged but rows split equally",
+              says="Exchange the counts first|received rows differ"),
+        Wrong("combine", _no_gates, "a plain sum, no gates", says="plain sum"),
+        Wrong("combine", _overwrite, "assignment keeps one choice per token", says=None),
+    ]
