@@ -32,10 +32,11 @@ import torch  # noqa: E402
 
 from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
 from helpers import launch, rank_info  # noqa: E402
-from helpers.parallel3d import Layout, capstone_batches, run_capstone, sgd_step  # noqa: E402
+from helpers.parallel3d import (CapstoneLayout, capstone_batches, run_capstone,  # noqa: E402
+                                sgd_step)
 
 
-def _plain_steps(layout: Layout, ddp: bool, threads: int | None = None) -> dict:
+def _plain_steps(layout: CapstoneLayout, ddp: bool, threads: int | None = None) -> dict:
     """Rank function: ``layout.steps`` SGD steps of the unsplit model, either one
     process on the whole batch or torch DDP with batch / world sequences per rank.
     ``threads``: intra-op threads (None: what launch gives a rank, cores // ranks)."""
@@ -80,8 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps, the first a warm-up")
     args = ap.parse_args(argv)
     validate(args)  # --size, --seq, --steps
-    layout = Layout(args.dp, args.tp, args.pp, args.size, batch=args.batch, seq=args.seq,
-                    micro_batches=args.micro_batches, steps=args.steps)  # ValueError names it
+    layout = CapstoneLayout(args.dp, args.tp, args.pp, args.size, batch=args.batch,
+                            seq=args.seq, micro_batches=args.micro_batches,
+                            steps=args.steps)  # ValueError names it
     world = layout.world_size
     if args.batch % world:
         raise ValueError(f"--batch {args.batch} does not divide over the {world} DDP ranks "

@@ -108,10 +108,10 @@ from helpers.pipeline.executor import StageChunk, pipeline_step, split_model
 from helpers.pipeline.schedules import gpipe, one_f_one_b
 from helpers.tolerance import NOISE_FACTOR, fp32_noise, max_abs
 from helpers.tp import (ColumnParallelLinear, VocabParallelEmbedding, gather_dense,
-                        tensor_parallel_block, tp_plan, vocab_parallel_cross_entropy)
-from helpers.tp.transformer import _tied_head
+                        tensor_parallel_block, tied_lm_head, tp_plan,
+                        vocab_parallel_cross_entropy)
 
-__all__ = ["run_capstone", "CapstoneResult", "Layout", "build_mesh", "apply_tp",
+__all__ = ["run_capstone", "CapstoneResult", "CapstoneLayout", "build_mesh", "apply_tp",
            "sync_data_parallel", "sgd_step", "train_3d", "reference_run", "capstone_batches",
            "rank_table"]
 
@@ -125,8 +125,10 @@ def _positive_int(name: str, value) -> None:
 
 
 @dataclasses.dataclass
-class Layout:
-    """A 3-D layout of one run, validated before any rank starts."""
+class CapstoneLayout:
+    """The 3-D layout of one capstone run (mesh sizes, model, batch, schedule), validated
+    before any rank starts. (``helpers.planner.Layout`` is another thing: a layout of a
+    large model that chapter 20's planner costs on paper.)"""
 
     dp: int = 2
     tp: int = 2
@@ -182,7 +184,7 @@ class Layout:
         return ("dp", "pp", "tp") if self.tp_innermost else ("dp", "tp", "pp")
 
 
-def rank_table(layout: Layout) -> list[dict[str, int]]:
+def rank_table(layout: CapstoneLayout) -> list[dict[str, int]]:
     """Each global rank's coordinate on every axis, as ``init_device_mesh`` lays
     them out: the mesh is ``arange(world).view(shape)`` (last name fastest).
     A pure function, so the layout can be printed without starting ranks."""
@@ -198,7 +200,8 @@ def rank_table(layout: Layout) -> list[dict[str, int]]:
     return rows
 
 
-def capstone_batches(layout: Layout, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def capstone_batches(layout: CapstoneLayout,
+                     seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch (x, y) of every step, (batch, seq) int64 each: the course's
     Markov language (helpers.data), identical on every rank and in the reference."""
     cfg = layout.config
@@ -211,7 +214,7 @@ def capstone_batches(layout: Layout, seed: int = 0) -> list[tuple[torch.Tensor, 
 # The parts, applied in order on every rank.
 # --------------------------------------------------------------------------
 
-def build_mesh(layout: Layout, device_type: str = "cpu"):
+def build_mesh(layout: CapstoneLayout, device_type: str = "cpu"):
     """The (dp, pp, tp) mesh (or (dp, tp, pp)) and its three process groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -237,7 +240,7 @@ def apply_tp(chunk: StageChunk, group) -> StageChunk:
         chunk.wte = VocabParallelEmbedding.from_dense(chunk.wte, group)
     if chunk.last:
         if chunk.first:  # one stage holds both uses: keep them one tensor
-            chunk.lm_head = _tied_head(chunk.wte, group)
+            chunk.lm_head = tied_lm_head(chunk.wte, group)
         else:
             chunk.lm_head = ColumnParallelLinear.from_dense(chunk.lm_head, group)  # (V/t, h)
         chunk.vocab_start = chunk.lm_head.weight.size(0) * dist.get_rank(group)
@@ -271,7 +274,7 @@ def sgd_step(params: list[nn.Parameter], lr: float) -> None:
         p.add_(p.grad, alpha=-lr)
 
 
-def train_3d(layout: Layout, seed: int = 0, omit: str | None = None) -> dict:
+def train_3d(layout: CapstoneLayout, seed: int = 0, omit: str | None = None) -> dict:
     """Rank function (under ``launch``): ``layout.steps`` SGD steps of the 3-D run.
 
     Returns this rank's mesh coordinate, per-step losses (on the last stage),
@@ -329,7 +332,7 @@ def train_3d(layout: Layout, seed: int = 0, omit: str | None = None) -> dict:
 # The single-process reference and the driver.
 # --------------------------------------------------------------------------
 
-def reference_run(layout: Layout, seed: int = 0,
+def reference_run(layout: CapstoneLayout, seed: int = 0,
                   dtype: torch.dtype = torch.float32) -> tuple[list[float], dict, list[float]]:
     """The same model, data and SGD steps on one process, whole batch at once.
     Returns per-step losses, the step-1 gradients by name and per-step times."""
@@ -360,7 +363,7 @@ class CapstoneResult:
     step_time_s: float              # mean step time (slowest rank), after the first step
     step_times_s: list[float]       # every step's time (slowest rank), the first included
     reference_step_time_s: float    # the same for the single-process float32 run
-    layout: Layout
+    layout: CapstoneLayout
     ranks: list[dict]               # each rank's mesh coordinate, as the run reported it
 
     @property
@@ -401,12 +404,12 @@ def run_capstone(dp: int = 2, tp: int = 2, pp: int = 2, steps: int = 3, seed: in
     its distance from a float64 rerun must be float32 rounding noise of this
     computation: at most ``NOISE_FACTOR`` x the float32 reference's own distance
     from float64 (helpers.tolerance), measured here, on this machine.
-    Every argument is checked (``Layout``) before any rank starts.
+    Every argument is checked (``CapstoneLayout``) before any rank starts.
     """
     if omit not in OMIT:
         raise ValueError(f"omit must be one of {OMIT}, got {omit!r}")
-    layout = Layout(dp, tp, pp, size, n_layer, batch, seq, micro_batches, schedule, steps, lr,
-                    tp_innermost)
+    layout = CapstoneLayout(dp, tp, pp, size, n_layer, batch, seq, micro_batches, schedule,
+                            steps, lr, tp_innermost)
     results = launch(train_3d, layout.world_size, layout, seed, omit, backend=backend,
                      timeout=timeout, seed=seed)
 

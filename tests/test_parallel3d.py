@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from helpers.parallel3d import Layout, rank_table, run_capstone
+from helpers.parallel3d import CapstoneLayout, rank_table, run_capstone
 
 # dp, tp, pp. 2x2x2 once per mesh order: the numbers must not depend on placement.
 COMPOSITIONS = [
@@ -73,11 +73,11 @@ def test_rank_table_puts_tp_innermost_by_default():
             out.setdefault(key, []).append(row["rank"])
         return sorted(out.values())
 
-    inner = Layout(2, 2, 2)
+    inner = CapstoneLayout(2, 2, 2)
     assert groups(inner, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups(inner, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups(inner, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    outer = Layout(2, 2, 2, tp_innermost=False)
+    outer = CapstoneLayout(2, 2, 2, tp_innermost=False)
     assert groups(outer, "tp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups(outer, "pp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
@@ -107,4 +107,4 @@ def test_torchrun_world_size_must_match_the_layout(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="2 x 2 x 2 = 8 ranks, but torchrun started WORLD_SIZE=4"):
-        Layout(2, 2, 2)
+        CapstoneLayout(2, 2, 2)

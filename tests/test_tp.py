@@ -107,6 +107,24 @@ def test_world_size_one_is_the_plain_layer():
         assert_close64(got[name], p.grad, f"t = 1 grad {name}")
 
 
+def test_tied_lm_head_shares_the_vocab_parallel_embedding_weight():
+    """One tensor, two uses, as wte / lm_head in the dense GPT; built through
+    ColumnParallelLinear's public ``weight=``, drawing no random numbers."""
+    from helpers.tp import tied_lm_head
+    wte = VocabParallelEmbedding(10, 4, padded_num_embeddings=12)
+    state = torch.random.get_rng_state()
+    head = tied_lm_head(wte)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert head.weight is wte.weight and head.bias is None and head.name == "lm_head"
+    assert (head.in_features, head.out_features, head.gather_output) == (4, 12, False)
+    x = torch.randn(3, 4)
+    assert torch.equal(head(x), F.linear(x, wte.weight))
+    with pytest.raises(ValueError, match="shared weight of shape"):
+        ColumnParallelLinear(4, 10, bias=False, weight=wte.weight)
+    with pytest.raises(ValueError, match="no dense layer, no bias"):
+        ColumnParallelLinear(4, 12, weight=wte.weight)
+
+
 # --------------------------------------------------------------------------
 # Single layers in fp32, bounded against float64 (t = 2, 4).
 # --------------------------------------------------------------------------

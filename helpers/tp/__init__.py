@@ -17,7 +17,8 @@ Modules
   ``VocabParallelEmbedding`` (each ``from_dense`` for exact comparison).
 * ``loss``: ``vocab_parallel_cross_entropy`` on vocab-sliced logits.
 * ``transformer``: ``tp_plan`` (divisibility, before any rank starts),
-  ``tensor_parallel_gpt`` (the course GPT converted), ``gather_dense``,
+  ``tensor_parallel_gpt`` (the course GPT converted), ``tied_lm_head`` (the
+  LM head sharing the vocab-parallel embedding's weight), ``gather_dense``,
   ``tp_comm_bytes`` (the per-layer byte formula).
 * ``cost``: why TP stays inside a node (message per layer vs link bandwidth).
 
@@ -50,11 +51,12 @@ from helpers.tp.operators import (CollectiveCounter, count_collectives, f, g, ga
                                   record_collective, split_last, tp_rank, tp_size)
 from helpers.tp.transformer import (ParallelSelfAttention, TensorParallelGPT, TPPlan,
                                     gather_dense, tensor_parallel_block, tensor_parallel_gpt,
-                                    tp_comm_bytes, tp_plan)
+                                    tied_lm_head, tp_comm_bytes, tp_plan)
 
 __all__ = ["f", "g", "gather_last", "split_last", "tp_size", "tp_rank", "count_collectives",
            "CollectiveCounter", "record_collective", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "padded_vocab_size", "shard", "unshard",
            "vocab_parallel_cross_entropy", "TPPlan", "tp_plan", "ParallelSelfAttention",
-           "tensor_parallel_block", "TensorParallelGPT", "tensor_parallel_gpt", "gather_dense",
-           "tp_comm_bytes", "LINKS", "tp_link", "tp_layer_comm_time", "tp_efficiency"]
+           "tensor_parallel_block", "TensorParallelGPT", "tensor_parallel_gpt", "tied_lm_head",
+           "gather_dense", "tp_comm_bytes", "LINKS", "tp_link", "tp_layer_comm_time",
+           "tp_efficiency"]

@@ -94,24 +94,36 @@ class ColumnParallelLinear(_Sharded):
 
     x: (..., in_features) whole on every rank -> (..., out_features / t), or
     (..., out_features) with ``gather_output=True`` (an all-gather).
+
+    ``weight``: this rank's (out_features / t, in_features) slice, used as it is
+    instead of a new one: a parameter shared with another layer (the tied LM
+    head's is the vocab-parallel embedding's, ``helpers.tp.transformer.tied_lm_head``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  gather_output: bool = False, parts: int = 1, *, dense: nn.Linear | None = None,
-                 device=None, dtype=None):
+                 weight: nn.Parameter | None = None, device=None, dtype=None):
         super().__init__()
         t, r = self._setup(group, "ColumnParallelLinear")
         if out_features % (parts * t):
             raise ValueError(f"{out_features} output features" + (f" ({parts} parts)" if parts > 1
                              else "") + f" do not divide over tensor-parallel size {t}")
-        if dense is None:  # initialize the whole layer (same on every rank), keep a slice
-            dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.parts = gather_output, parts
+        self.layout = {"weight": (0, parts), "bias": (0, parts)}
+        if weight is not None:  # shared, not copied: one tensor, two uses
+            if dense is not None or bias:
+                raise ValueError("a shared weight comes alone: no dense layer, no bias")
+            if tuple(weight.shape) != (out_features // t, in_features):
+                raise ValueError(f"shared weight of shape {tuple(weight.shape)}, expected "
+                                 f"{(out_features // t, in_features)} (out/t, in)")
+            self.weight, self.bias = weight, None
+            return
+        if dense is None:  # initialize the whole layer (same on every rank), keep a slice
+            dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
         self.weight = nn.Parameter(shard(dense.weight.detach(), 0, t, r, parts))  # (out/t, in)
         self.bias = (nn.Parameter(shard(dense.bias.detach(), 0, t, r, parts))   # (out/t,)
                      if dense.bias is not None else None)
-        self.layout = {"weight": (0, parts), "bias": (0, parts)}
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group=None, gather_output: bool = False,

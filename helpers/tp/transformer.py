@@ -46,7 +46,8 @@ from helpers.tp.loss import vocab_parallel_cross_entropy
 from helpers.tp.operators import tp_size
 
 __all__ = ["TPPlan", "tp_plan", "ParallelSelfAttention", "tensor_parallel_block", "torch_tp_block",
-           "TensorParallelGPT", "tensor_parallel_gpt", "gather_dense", "tp_comm_bytes"]
+           "TensorParallelGPT", "tensor_parallel_gpt", "tied_lm_head", "gather_dense",
+           "tp_comm_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,22 @@ def _name_layers(model: nn.Module) -> None:
             module.name = name
 
 
+def tied_lm_head(wte: VocabParallelEmbedding, group=None) -> ColumnParallelLinear:
+    """The LM head tied to a vocab-parallel embedding, as the dense GPT ties ``lm_head``
+    to ``wte`` (Press & Wolf 2017; Megatron-LM's shared embedding and output weight).
+
+    A column-parallel linear over the (padded) vocabulary, no bias, whose weight
+    *is* ``wte.weight``: rank r's rows [vocab_start, vocab_start + V_pad/t), one
+    tensor with both uses' gradients. Its logits stay split, (..., V_pad/t), for
+    ``vocab_parallel_cross_entropy``. ``TensorParallelGPT`` uses it, and so does
+    ``helpers.parallel3d`` for a pipeline stage that holds both ends of the model.
+    """
+    head = ColumnParallelLinear(wte.embedding_dim, wte.padded_num_embeddings, bias=False,
+                                group=group, weight=wte.weight)
+    head.name = "lm_head"  # for the collective counter (TensorParallelGPT names it by path)
+    return head
+
+
 class TensorParallelGPT(nn.Module):
     """The course GPT over a tensor-parallel group, with the dense model's parameter names.
 
@@ -145,7 +162,7 @@ class TensorParallelGPT(nn.Module):
         self.blocks = nn.ModuleList(tensor_parallel_block(b, group) for b in dense.blocks)
         self.ln_f = copy.deepcopy(dense.ln_f)
         # Tied head: a column-parallel linear whose weight *is* the embedding slice.
-        self.lm_head = _tied_head(self.wte, group)
+        self.lm_head = tied_lm_head(self.wte, group)
         _name_layers(self)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -202,19 +219,6 @@ def torch_tp_block(block: Block, group=None) -> Block:
     plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
     return parallelize_module(tp, mesh, plan)
-
-
-def _tied_head(wte: VocabParallelEmbedding, group) -> ColumnParallelLinear:
-    """The LM head: column-parallel over the vocabulary, sharing ``wte.weight``."""
-    head = ColumnParallelLinear.__new__(ColumnParallelLinear)
-    nn.Module.__init__(head)
-    head._setup(group, "lm_head")
-    head.in_features, head.out_features = wte.embedding_dim, wte.padded_num_embeddings
-    head.gather_output, head.parts = False, 1
-    head.weight = wte.weight  # one tensor, two uses (as in the dense model)
-    head.bias = None
-    head.layout = {"weight": (0, 1), "bias": None}
-    return head
 
 
 def tensor_parallel_gpt(model: GPT, group=None, vocab_divisible_by: int = 1) -> TensorParallelGPT:
