@@ -61,9 +61,14 @@ import torch.nn as nn
 from helpers.model import GPT, lm_loss
 
 __all__ = ["Checkpoint", "checkpoint", "segment_bounds", "sqrt_segments", "apply_recompute",
-           "remove_recompute", "forward_state", "RECOMPUTE_CHOICES"]
+           "remove_recompute", "forward_state", "RECOMPUTE_MODES", "RECOMPUTE_CHOICES"]
 
-RECOMPUTE_CHOICES = ("none", "selective", "full", "segments")
+# The modes of the table above: what the memory and cost formulas model
+# (Korthikanti et al. 2022, Table 2), so what a job plan (helpers.frameworks.Plan)
+# may name. apply_recompute runs one more, Chen et al.'s segments, which no
+# formula here prices.
+RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_CHOICES = RECOMPUTE_MODES + ("segments",)  # what apply_recompute accepts
 
 # ("record" | "replay", memo) while a checkpointed forward runs or is re-run;
 # None otherwise. A context variable, not a module attribute, so that two

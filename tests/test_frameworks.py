@@ -48,7 +48,7 @@ def test_validate_names_the_rule(plan, world, model, rule):
 def test_valid_plan_passes_and_reports_its_batch():
     plan = Plan(dp=8, tp=8, pp=16, vpp=2, micro_batch=1, grad_accum=192, global_batch=1536,
                 zero_stage=1, sequence_parallel=True).validate(1024, GPT3)
-    assert plan.global_batch_ == 1536 and plan.world_size == 1024 and plan.shard_ranks == 8
+    assert plan.sequences_per_step == 1536 and plan.world_size == 1024 and plan.shard_ranks == 8
 
 
 # -- readers -------------------------------------------------------------------------

@@ -38,14 +38,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from helpers.recompute import RECOMPUTE_MODES
 from helpers.topology import Topology, a100_cluster, h100_cluster
 
-__all__ = ["Plan", "ModelSpec", "GPU", "Cluster", "H100_80GB", "A100_80GB", "PRECISIONS",
-           "OFFLOADS", "RECOMPUTE"]
+__all__ = ["Plan", "ModelSpec", "GPU", "Cluster", "H100_80GB", "A100_80GB", "PLAN_PRECISIONS",
+           "OFFLOADS"]
 
-PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+PLAN_PRECISIONS = ("bf16", "fp16", "fp8", "fp32")  # the number formats a Plan may train in
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-RECOMPUTE = ("none", "selective", "full")
 
 
 def _count(name: str, value, minimum: int = 1) -> None:
@@ -102,7 +102,8 @@ class ModelSpec:
             raise ValueError(f"top_k={self.top_k} exceeds the {self.experts} experts")
 
     @property
-    def ffn_(self) -> int:
+    def ffn_hidden(self) -> int:
+        """The MLP width: ``ffn``, or GPT's 4 * hidden when not given."""
         return self.ffn or 4 * self.hidden
 
     @property
@@ -116,7 +117,7 @@ class ModelSpec:
 
     def mlp_params(self) -> int:
         """One MLP (one expert): 2 or 3 matrices of h x ffn."""
-        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
 
     def layer_params(self) -> float:
         """One layer's weights: attention + MLP (all experts + router for MoE) + 2 norms."""
@@ -287,7 +288,9 @@ class Plan:
         return (self.dp_shard or self.dp) * self.cp
 
     @property
-    def global_batch_(self) -> int:
+    def sequences_per_step(self) -> int:
+        """The global batch in sequences: ``global_batch``, or micro_batch x grad_accum x dp
+        when not given."""
         return self.global_batch or self.micro_batch * self.grad_accum * self.dp
 
     def replace(self, **changes) -> "Plan":
@@ -305,12 +308,14 @@ class Plan:
                                  f"dp_shard={self.dp_shard} does not divide dp={self.dp}")
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision not in PLAN_PRECISIONS:
+            raise ValueError(f"precision must be one of {PLAN_PRECISIONS}, got "
+                             f"{self.precision!r}")
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got "
+                             f"{self.recompute!r}")
         if self.world_size != world_size:
             raise ValueError(
                 f"degrees must multiply to the world size: dp {self.dp} x tp {self.tp} x "
