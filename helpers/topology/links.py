@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helpers.memory import GB  # decimal, 1e9: "GB/s" on datasheets too
+
 __all__ = ["Link", "Topology", "NVLINK4_H100", "NVLINK3_A100", "PCIE4_X16", "PCIE5_X16",
            "IB_HDR", "IB_NDR", "ETH_100G", "LINKS", "h100_cluster", "a100_cluster",
            "pcie_cluster", "PRESETS", "preset"]
 
-GB = 1e9
 US = 1e-6
 
 

@@ -29,7 +29,8 @@ import re
 import shutil
 import subprocess
 
-from helpers.topology.links import (GB, IB_NDR, NVLINK4_H100, PCIE4_X16, Link, Topology)
+from helpers.memory import GB
+from helpers.topology.links import IB_NDR, NVLINK4_H100, PCIE4_X16, Link, Topology
 
 __all__ = ["parse_topo_matrix", "topology_from_nvidia_smi", "read_live", "SAMPLES",
            "NVLINK_PER_LINK", "PATH_ORDER"]
