@@ -131,8 +131,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from helpers.overlap import record_comm, wait_comm
+from helpers.clip import sharded_clip_grad_norm_
 from helpers.comm import all_gather, reduce_scatter, ring_bytes_sent
+from helpers.overlap import record_comm, wait_comm
 from helpers.unit_gather import UnitBuffer, register_unit_hooks, start_gather
 from helpers.zero import FlatPartition
 
@@ -239,7 +240,7 @@ class _Unit(UnitBuffer):
         # the parameters' own shapes: outside the unit's run p.shape is this rank's piece
         self.shapes = [p.shape for p in params]
         self.part = FlatPartition([p.numel() for p in params], shard_world,
-                                  [list(range(len(params)))])
+                                  [list(range(len(params)))], shapes=self.shapes)
         b = self.part.buckets[0]
         self.bucket = b
         kinds = {(p.dtype, p.device) for p in params}
@@ -255,15 +256,11 @@ class _Unit(UnitBuffer):
             p.data = seg.view_as(p)  # p is now a window into `full`
         self.shard = nn.Parameter(torch.zeros(b.chunk, dtype=dtype, device=device))  # (padded / S,)
         self.rank = shard_rank
-        # This rank's piece of each parameter: pieces[i] = (a, e) where shard[a:e]
-        # holds its flattened elements [lo_mine + a - off, lo_mine + e - off)
-        # (a == e: the parameter lies wholly in other ranks' chunks).
-        lo_mine = shard_rank * b.chunk  # where this rank's chunk starts in `full`
-        self.pieces = []
-        for p, off in zip(params, b.offsets):
-            lo = min(max(off, lo_mine), off + p.numel())          # the parameter's elements
-            hi = max(min(off + p.numel(), lo_mine + b.chunk), lo)  # in this chunk
-            self.pieces.append((lo - lo_mine, hi - lo_mine))
+        # This rank's piece of each parameter (one entry per parameter, in order):
+        # owned[i].lo:hi of the flattened parameter are shard[pieces[i][0]:pieces[i][1]]
+        # (empty: the parameter lies wholly in other ranks' chunks).
+        self.owned = self.part.owned_ranges(shard_rank, empty=True)
+        self.pieces = [(o.at, o.at + o.hi - o.lo) for o in self.owned]
         self.views_of = None  # the shard.grad the parameters' .grad are views of
         self.ready = 0       # parameters whose gradient arrived in this backward
         self.reduced = False
@@ -283,6 +280,12 @@ class FSDP(nn.Module):
     ``param_dtype`` / ``reduce_dtype``: the mixed-precision policy (None: the
     parameters' own dtype). ``ignored_params``: parameters left unsharded and
     replicated, their gradients averaged as DDP does.
+
+    What other code may read (checkpointing does): ``shard_size`` (ranks in
+    the shard group, S), ``replicate_size`` (replicas of each shard, R; 1
+    without hybrid sharding), ``shard_rank``; ``units`` (the policy's units)
+    and ``root``, ``all_units`` (both), ``ignored_params``; ``free(unit)``
+    after writing into the shards; ``gather_async(unit)`` for a prefetch.
     """
 
     def __init__(self, model: nn.Module, policy: Callable[[nn.Module], bool] = block_policy,
@@ -315,8 +318,9 @@ class FSDP(nn.Module):
         # dtype: the fp32 master weights the optimizer updates.
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         on = dist.is_available() and dist.is_initialized()
-        self.S = dist.get_world_size(shard_group) if on else 1
-        self.R = dist.get_world_size(replicate_group) if on and replicate_group else 1
+        # ranks that split each unit (S), ranks that hold the same shards (R, hybrid)
+        self.shard_size = dist.get_world_size(shard_group) if on else 1
+        self.replicate_size = dist.get_world_size(replicate_group) if on and replicate_group else 1
         self.shard_rank = dist.get_rank(shard_group) if on else 0
         self._comm: dict[str, float] = {}
         self._comm_last: dict[str, float] = {}
@@ -357,7 +361,7 @@ class FSDP(nn.Module):
                     self.units.append(self._make_unit(name, m, ps))
             rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
             self.root = self._make_unit("root", model, rest) if rest else None
-        self._shards = nn.ParameterList([u.shard for u in self._all_units()])
+        self._shards = nn.ParameterList([u.shard for u in self.all_units])
         # Ignored parameters: the model's own full tensors, replicated as in DDP
         # (rank 0's values to start, gradients averaged after backward).
         self._ignored = nn.ParameterList(ignored)
@@ -375,7 +379,7 @@ class FSDP(nn.Module):
             self._handles += register_unit_hooks(u.module, self._pre_forward(i),
                                                  self._post_forward(i),
                                                  lambda i=i: self._pre_backward(i))
-        for u in self._all_units():
+        for u in self.all_units:
             for p in u.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate(u)))
         for m in [model] + [u.module for u in self.units]:  # refuse a second wrap (see unwrap)
@@ -386,7 +390,7 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------ set-up
     def _make_unit(self, name, module, params) -> _Unit:
-        u = _Unit(name, module, params, self.S, self.shard_rank)
+        u = _Unit(name, module, params, self.shard_size, self.shard_rank)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(u.full, src=0)  # same start on every rank
         c = u.bucket.chunk
@@ -398,8 +402,21 @@ class FSDP(nn.Module):
         self._shard_views(u)
         return u
 
-    def _all_units(self) -> list[_Unit]:
+    @property
+    def all_units(self) -> list[_Unit]:
+        """Every unit: the policy's (``units``, in forward order, the indices the
+        prefetch callback gets) and then the root, if any parameter was left to
+        it. Each holds ``params`` (the model's parameters in it), ``shapes``
+        (their real shapes), ``shard`` (this rank's chunk, an ``nn.Parameter``),
+        ``part`` (its ``FlatPartition``, one bucket) and ``rank`` (this rank's
+        place in the shard group)."""
         return self.units + ([self.root] if self.root is not None else [])
+
+    @property
+    def ignored_params(self) -> list[nn.Parameter]:
+        """The parameters left out of every unit (``ignored_params=`` at
+        construction): full and replicated on every rank, averaged as DDP does."""
+        return list(self._ignored)
 
     def forward(self, *args, **kwargs):
         if not self._handles:
@@ -416,8 +433,8 @@ class FSDP(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
-        for u in self._all_units():
-            self._free(u)
+        for u in self.all_units:
+            self.free(u)
         for name, p in self.module.named_parameters():
             if name in full:
                 p.grad = None
@@ -441,11 +458,12 @@ class FSDP(nn.Module):
         nbytes = u.full.numel() * u.full.element_size()
         self._gathered_now += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
-        self._count("all_gather", nbytes, self.S)
+        self._count("all_gather", nbytes, self.shard_size)
         # (padded / S,) this rank's chunk, cast to param_dtype first: half the
         # bytes on the wire in bf16.
         chunk = u.shard.detach().to(u.full.dtype)
-        start_gather([u], [chunk], self.shard_group, self.S, self.timeline, f"all-gather {u.name}")
+        start_gather([u], [chunk], self.shard_group, self.shard_size, self.timeline,
+                     f"all-gather {u.name}")
         self._full_views(u)  # (its storage is allocated now; the weights land later)
         if not async_op:
             u.wait()
@@ -454,7 +472,13 @@ class FSDP(nn.Module):
         """Start gathering unit ``u`` without waiting (a no-op if it is full or on its way)."""
         self._gather(u, async_op=True)
 
-    def _free(self, u: _Unit) -> None:
+    def free(self, u: _Unit) -> None:
+        """Free unit ``u``'s gathered weights (a no-op if they are not there; waits
+        first for a gather still writing into them): its parameters become this
+        rank's pieces of the shard again. The hooks call it after each use; call
+        it yourself after writing into the shards outside a step (a checkpoint
+        load), or a unit still gathered would go on computing with the old
+        weights. Not collective."""
         if u.gathered:
             self._gathered_now -= u.full.numel() * u.full.element_size()
         u.free()  # (waits first for a gather still writing into it)
@@ -521,8 +545,8 @@ class FSDP(nn.Module):
     def _root_pre_forward(self, module, args, kwargs):
         # Whatever is still gathered is left over from a forward without backward
         # (see the module docstring): possibly older than the shards. Start clean.
-        for u in self._all_units():
-            self._free(u)
+        for u in self.all_units:
+            self.free(u)
         if self.root is not None:
             self._gather(self.root)
         if self.prefetch is not None:
@@ -531,8 +555,8 @@ class FSDP(nn.Module):
 
     def _root_post_forward(self, module, args, out):
         if not torch.is_grad_enabled():  # no backward will follow: nothing stays gathered
-            for u in self._all_units():
-                self._free(u)
+            for u in self.all_units:
+                self.free(u)
 
     def _pre_forward(self, i):
         def hook(args, kwargs):
@@ -551,7 +575,7 @@ class FSDP(nn.Module):
             if self.timeline is not None:
                 self.timeline.add("compute", f"forward {u.name}", u.t_fwd, time.perf_counter())
             if self.reshard_after_forward or not torch.is_grad_enabled():
-                self._free(u)
+                self.free(u)
         return hook
 
     def _pre_backward(self, i) -> None:
@@ -590,11 +614,11 @@ class FSDP(nn.Module):
             if p.grad is not None:
                 buf[off:off + shape.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
-        buf.div_(self.S * self.R)  # mean over every data-parallel rank
+        buf.div_(self.shard_size * self.replicate_size)  # mean over every data-parallel rank
         out = torch.empty(b.chunk, dtype=buf.dtype, device=buf.device)  # (padded / S,)
-        self._count("reduce_scatter", buf.numel() * buf.element_size(), self.S)
+        self._count("reduce_scatter", buf.numel() * buf.element_size(), self.shard_size)
         self._retire_reduce_scatter()
-        if self.S > 1:
+        if self.shard_size > 1:
             t0 = time.perf_counter()
             work = reduce_scatter(out, buf, group=self.shard_group, async_op=True)
             self._record_comm(work, f"reduce-scatter {u.name}", t0)
@@ -603,7 +627,7 @@ class FSDP(nn.Module):
             out.copy_(buf)
         u.grad_chunk = out  # filled once the reduce-scatter has finished
         u.reduced = True
-        self._free(u)
+        self.free(u)
 
     def _retire_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter still in flight (it had a whole unit's
@@ -617,25 +641,25 @@ class FSDP(nn.Module):
             self._rs_in_flight = None  # the input buffer goes with it
 
     def _finish_backward(self) -> None:
-        for u in self._all_units():
+        for u in self.all_units:
             if not u.reduced:  # parameters that got no gradient: reduce zeros
                 self._reduce(u)
         self._retire_reduce_scatter()
-        for u in self._all_units():
+        for u in self.all_units:
             out = u.grad_chunk  # every reduce-scatter has finished
-            if self.R > 1:
+            if self.replicate_size > 1:
                 t0 = time.perf_counter()
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
                 self._record_comm(work, f"all-reduce {u.name}", t0)
                 self._wait(work, f"all-reduce {u.name}")
-                self._count("all_reduce", out.numel() * out.element_size(), self.R)
+                self._count("all_reduce", out.numel() * out.element_size(), self.replicate_size)
             out = out.to(u.shard.dtype)  # the master weights' dtype (a no-op in fp32)
             if u.shard.grad is None:
                 u.shard.grad = out
             else:
                 u.shard.grad.add_(out)  # gradient accumulation over backwards
             u.ready, u.reduced, u.grad_chunk = 0, False, None
-            self._free(u)  # (waits first for a prefetch nobody used)
+            self.free(u)  # (waits first for a prefetch nobody used)
         self._average_ignored()
         self._callback_queued = False
         self._comm_last, self._comm = self._comm, {}
@@ -650,8 +674,9 @@ class FSDP(nn.Module):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.div_(self.S * self.R)
-            for group, n in ((self.shard_group, self.S), (self.replicate_group, self.R)):
+            p.grad.div_(self.shard_size * self.replicate_size)
+            for group, n in ((self.shard_group, self.shard_size),
+                             (self.replicate_group, self.replicate_size)):
                 if n > 1:
                     dist.all_reduce(p.grad, group=group)
                     self._count("all_reduce", p.grad.numel() * p.grad.element_size(), n)
@@ -675,29 +700,15 @@ class FSDP(nn.Module):
         (replicate groups hold copies of the same chunks: counted once), and
         every rank takes the same factor, ``max_norm / (norm + 1e-6)`` capped
         at 1 (torch's formula; the 1e-6 keeps a zero gradient finite).
-        Padding is zero, so it adds nothing.
+        Padding is zero, so it adds nothing. The arithmetic is
+        ``helpers.clip.sharded_clip_grad_norm_``, which ZeRO calls too.
         """
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        grads = [u.shard.grad for u in self._all_units() if u.shard.grad is not None]
-        device = next(self.parameters()).device
-        # squares summed in fp32 even if a gradient is lower precision (as torch does)
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        if self.S > 1:
-            dist.all_reduce(sq, group=self.shard_group)
         # ignored parameters are replicated, their averaged gradient the same on
         # every rank: counted once, after the all-reduce
-        ignored = [p.grad for p in self._ignored if p.grad is not None]
-        for g in ignored:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        grads += ignored
-        norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return sharded_clip_grad_norm_(
+            [u.shard.grad for u in self.all_units], max_norm, group=self.shard_group,
+            shards=self.shard_size, replicated=[p.grad for p in self._ignored],
+            device=next(self.parameters()).device)
 
     # ------------------------------------------------------------ inspection
     def comm_bytes(self) -> dict[str, float]:
@@ -707,7 +718,7 @@ class FSDP(nn.Module):
         return out
 
     def sharded_numel(self) -> int:
-        return sum(u.shard.numel() for u in self._all_units())
+        return sum(u.shard.numel() for u in self.all_units)
 
     def sharded_grads(self) -> dict[str, "GradShard"]:
         """Each parameter's gradient as this rank holds it after backward: the
@@ -727,11 +738,11 @@ class FSDP(nn.Module):
         for p in self._ignored:
             g = None if p.grad is None else p.grad.view(-1)
             out[names[id(p)]] = GradShard(0, g)
-        for u in self._all_units():
-            lo_mine = u.rank * u.bucket.chunk  # where this rank's chunk starts in the flat buffer
-            for p, off, (a, e) in zip(u.params, u.bucket.offsets, u.pieces):
-                g = None if u.shard.grad is None else u.shard.grad[a:e]
-                out[names[id(p)]] = GradShard(lo_mine + a - off, g)
+        for u in self.all_units:
+            g = u.shard.grad
+            for o in u.owned:  # (FlatPartition.owned_ranges: one per parameter)
+                out[names[id(u.params[o.index])]] = GradShard(
+                    o.lo, None if g is None else g[o.shard_slice])
         return out
 
     @torch.no_grad()
@@ -742,11 +753,11 @@ class FSDP(nn.Module):
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {names[id(p)]: p.grad.detach().clone() for p in self._ignored
                if p.grad is not None}
-        for u in self._all_units():
+        for u in self.all_units:
             if u.shard.grad is None:
                 continue
             full = torch.empty(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
-            if self.S > 1:
+            if self.shard_size > 1:
                 all_gather(full, u.shard.grad.detach(), group=self.shard_group)
             else:
                 full.copy_(u.shard.grad)
@@ -763,10 +774,10 @@ class FSDP(nn.Module):
         out = {}
         for p in self._ignored:
             out[names[id(p)]] = p.detach().clone()
-        for u in self._all_units():
+        for u in self.all_units:
             # (padded,) in the shards' (master) dtype, whatever param_dtype is
             full = torch.empty(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
-            if self.S > 1:
+            if self.shard_size > 1:
                 all_gather(full, u.shard.detach(), group=self.shard_group)
             else:
                 full.copy_(u.shard.detach())

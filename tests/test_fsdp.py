@@ -88,7 +88,7 @@ def _train(configs):
                 with torch.no_grad():
                     wrapped(x[lo:hi], y[lo:hi])
                 held_after_eval += sum(u.full.untyped_storage().nbytes()
-                                       for u in wrapped._all_units())
+                                       for u in wrapped.all_units)
             elif kind == "eval-grad":
                 wrapped(x[lo:hi], y[lo:hi])
             opt.step(); opt.zero_grad()
@@ -107,9 +107,10 @@ def _train(configs):
             peak=getattr(wrapped, "peak_gathered_bytes", None),
             shard=getattr(wrapped, "sharded_numel", lambda: None)(),
             lanes={e["lane"] for e in tl.events}, held_after_eval=held_after_eval,
-            units=[(u.name, len(u.params)) for u in getattr(wrapped, "_all_units", list)()],
+            units=[(u.name, len(u.params)) for u in getattr(wrapped, "all_units", [])],
             # ignored parameters keep their own full storage: bytes of each
-            ignored_bytes=[p.untyped_storage().nbytes() for p in getattr(wrapped, "_ignored", [])])
+            ignored_bytes=[p.untyped_storage().nbytes()
+                           for p in getattr(wrapped, "ignored_params", [])])
     return out
 
 
@@ -427,10 +428,10 @@ def _train_mixed(param_dtype, reduce_dtype):
                     res["grads"] = wrapped.full_grads()
                     res["views"] = {n: (s.start, s.grad.clone(), s.grad.untyped_storage().data_ptr()
                                         in {u.shard.grad.untyped_storage().data_ptr()
-                                            for u in wrapped._all_units()})
+                                            for u in wrapped.all_units})
                                     for n, s in wrapped.sharded_grads().items()}
                     res["comm"] = wrapped.comm_bytes()
-                    res["full_dtypes"] = {u.full.dtype for u in wrapped._all_units()}
+                    res["full_dtypes"] = {u.full.dtype for u in wrapped.all_units}
             opt.step(); opt.zero_grad()
         res["params"] = ({n: p.full_tensor() for n, p in model.named_parameters()}
                          if kind == "fsdp2" else wrapped.full_parameters())
@@ -641,7 +642,7 @@ def test_units_on_the_parameters_device():
     x = torch.randint(0, 64, (2, 16), device="meta")
     f(x, x)[1].backward()
     opt.step()
-    held = [t for u in f._all_units() for t in (u.full, u.shard, u.shard.grad)]
+    held = [t for u in f.all_units for t in (u.full, u.shard, u.shard.grad)]
     held += list(f.full_parameters().values())
     assert {t.device.type for t in held} == {"meta"}
 

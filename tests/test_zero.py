@@ -22,8 +22,8 @@ from helpers import launch, rank_info
 from helpers.data import make_dataset
 from helpers.memory import model_state_bytes
 from helpers.model import build_model
-from helpers.zero import (PRECISIONS, FlatPartition, ShardedOptimizer, ZeroOptimizer, adamw_update,
-                          ring_bytes_sent, size_buckets)
+from helpers.zero import (PRECISION_DTYPES, FlatPartition, ShardedOptimizer, ZeroOptimizer,
+                          adamw_update, ring_bytes_sent, size_buckets)
 
 LR = 1e-3
 STEPS = 3
@@ -301,6 +301,40 @@ def test_partition_pads_each_bucket():
         FlatPartition([1, 2], 2, [[0]])
 
 
+def test_owned_ranges_are_each_ranks_chunk_of_each_parameter():
+    """FlatPartition.owned_ranges against brute force: lay every parameter's
+    elements out in the flat buffer, cut it into chunks, and read back which
+    elements of which parameter land where in each rank's shard."""
+    for numels, world, groups in [([5, 3, 10], 4, [[2], [0, 1]]), ([5, 3], 3, [[0, 1]]),
+                                  ([1, 1, 7, 2], 5, [[3, 2], [1], [0]]), ([6], 1, [[0]])]:
+        shapes = [(n, 1) for n in numels]
+        part = FlatPartition(numels, world, groups, shapes=shapes)
+        flat = [None] * part.total  # (parameter, element) at each flat position
+        for b in part.buckets:
+            for i, off in zip(b.params, b.offsets):
+                for e in range(numels[i]):
+                    flat[b.start + off + e] = (i, e)
+        for rank in range(world):
+            shard = [x for b in part.buckets for x in flat[slice(*part.shard_range(b, rank))]]
+            want = sorted(x for x in shard if x is not None)
+            got, listed = [], set()
+            for o in part.owned_ranges(rank):
+                assert o.lo < o.hi and o.shape == shapes[o.index]
+                assert o.index in part.buckets[o.bucket].params
+                assert shard[o.shard_slice] == [(o.index, e) for e in range(o.lo, o.hi)]
+                got += shard[o.shard_slice]
+                listed.add(o.index)
+            assert sorted(got) == want, (numels, world, rank)
+            every = part.owned_ranges(rank, empty=True)  # one entry per parameter
+            assert sorted(o.index for o in every) == list(range(len(numels)))
+            for o in every:
+                b = part.buckets[o.bucket]
+                assert b.shard_start <= o.at <= b.shard_start + b.chunk
+                assert (o.lo < o.hi) == (o.index in listed)
+    with pytest.raises(ValueError, match="shapes"):
+        FlatPartition([4], 2, [[0]], shapes=[(3,)])
+
+
 def test_adamw_update_is_bitwise_torch():
     torch.manual_seed(0)
     p = torch.randn(100)
@@ -498,7 +532,7 @@ def _mixed_precision(precision):
     "Mixed Precision Training", sec. 3.1)."""
     r = rank_info()
     N, lo, hi = r.world_size, r.rank * B, (r.rank + 1) * B
-    base = build_model("toy", seed=0).to(PRECISIONS[precision])
+    base = build_model("toy", seed=0).to(PRECISION_DTYPES[precision])
     recipe = copy.deepcopy(base)
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in recipe.named_parameters()}
     o_ref = torch.optim.AdamW(masters.values(), lr=LR, foreach=False)
@@ -531,7 +565,7 @@ def _mixed_precision(precision):
 def test_mixed_precision_equals_the_recipe(precision):
     res = launch(_mixed_precision, 2, precision, timeout=120)[0]
     for stage, v in res.items():
-        assert v["working"] == PRECISIONS[precision]
+        assert v["working"] == PRECISION_DTYPES[precision]
         # 2 ranks: the same 16-bit forward and backward, every reduction a + b in
         # 16 bits, AdamW on the same fp32 numbers (adamw_update is torch's, op for
         # op): bitwise equal, in every stage. Updating the 16-bit weights without
@@ -589,7 +623,7 @@ def _on_gpu():
     x, y = (t.to(r.device) for t in _batches(1)[0])
     out = {}
     for precision, unit in (("fp32", U32), ("bf16", 2.0 ** -8)):
-        base = build_model("toy", seed=0).to(r.device, PRECISIONS[precision])
+        base = build_model("toy", seed=0).to(r.device, PRECISION_DTYPES[precision])
         reference = _F64Reference(base, [(x, y)] * 2, unit=unit)
         for stage in range(4):
             model = copy.deepcopy(base)

@@ -108,20 +108,12 @@ def load_scaler_state(scaler, state: dict) -> None:
 def zero_ranges(opt) -> list[tuple[str, torch.Size, int, int, int]]:
     """(name, shape, lo, hi, at) for each parameter piece this rank owns: elements
     [lo, hi) of the flattened parameter sit at ``at`` in the rank's shard
-    (``opt.exp_avg``, ``opt.master``). Empty pieces are left out; padding is in
-    no parameter's range, so it is never saved."""
+    (``opt.exp_avg``, ``opt.master``): ``FlatPartition.owned_ranges``, by name.
+    Empty pieces are left out; padding is in no parameter's range, so it is
+    never saved."""
     names = {id(p): n for n, p in opt.model.named_parameters()}
-    out = []
-    for b in opt.partition.buckets:
-        c_lo, c_hi = opt.partition.shard_range(b, opt.shard_rank)  # in the flat buffer
-        for i, off in zip(b.params, b.offsets):
-            p = opt.params[i]
-            p_lo = b.start + off  # where the parameter starts in the flat buffer
-            lo, hi = max(c_lo, p_lo), min(c_hi, p_lo + p.numel())
-            if lo < hi:
-                out.append((names[id(p)], p.shape, lo - p_lo, hi - p_lo,
-                            b.shard_start + lo - c_lo))
-    return out
+    return [(names[id(opt.params[o.index])], o.shape, o.lo, o.hi, o.at)
+            for o in opt.partition.owned_ranges(opt.shard_rank)]
 
 
 def _zero_weights(opt, name: str, lo: int, hi: int, at: int) -> torch.Tensor:
@@ -219,23 +211,20 @@ def fsdp_ranges(fsdp, saving: bool = False):
     elements [lo, hi) of the flattened parameter are elements [at, at + hi - lo)
     of ``tensor``, the unit's 1-D shard (an ``nn.Parameter`` the optimizer
     updates) or an ignored parameter itself. ``saving``: only the pieces this
-    rank writes (first replica; ignored parameters on rank 0 only)."""
+    rank writes (first replica; ignored parameters on rank 0 only). Each
+    unit's pieces are its ``FlatPartition.owned_ranges``, by name."""
     names = {id(p): n for n, p in fsdp.module.named_parameters()}
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    replica = dist.get_rank(fsdp.replicate_group) if fsdp.R > 1 else 0
+    replica = dist.get_rank(fsdp.replicate_group) if fsdp.replicate_size > 1 else 0
     out = []
-    for p in fsdp._ignored:
+    for p in fsdp.ignored_params:
         if not saving or rank == 0:
             out.append((names[id(p)], p.shape, 0, p.numel(), p, 0))
     if saving and replica != 0:
         return out
-    for u in fsdp._all_units():
-        c = u.bucket.chunk
-        base = u.rank * c  # where this rank's chunk starts in the unit's flat buffer
-        for p, off, shape in zip(u.params, u.bucket.offsets, u.shapes):  # p.shape: its piece
-            lo, hi = max(off, base), min(off + shape.numel(), base + c)
-            if lo < hi:
-                out.append((names[id(p)], shape, lo - off, hi - off, u.shard, lo - base))
+    for u in fsdp.all_units:
+        for o in u.part.owned_ranges(u.rank):  # o.shape: the parameter's, not its piece's
+            out.append((names[id(u.params[o.index])], o.shape, o.lo, o.hi, u.shard, o.at))
     return out
 
 
@@ -253,8 +242,8 @@ def _fsdp_steps(fsdp, optimizer) -> dict[str, float]:
     def step(t):
         s = optimizer.state.get(t, {}).get("step", 0)
         return float(s)
-    out = {names[id(p)]: step(p) for p in fsdp._ignored}
-    for u in fsdp._all_units():
+    out = {names[id(p)]: step(p) for p in fsdp.ignored_params}
+    for u in fsdp.all_units:
         out.update({names[id(p)]: step(u.shard) for p in u.params})
     return out
 
@@ -315,8 +304,8 @@ def load_fsdp_state(fsdp, optimizer, state: dict) -> None:
         tensor.data.view(-1)[at:at + n].copy_(state["weights"][name].data)
         for m in ("exp_avg", "exp_avg_sq"):
             optimizer.state[tensor][m].view(-1)[at:at + n].copy_(state[m][name].data)
-    for u in fsdp._all_units():
-        fsdp._free(u)  # a unit gathered before the load holds the old weights
+    for u in fsdp.all_units:
+        fsdp.free(u)  # a unit gathered before the load holds the old weights
 
 
 # --------------------------------------------------------------------------

@@ -128,11 +128,13 @@ DeepSpeed's ZeRO-3 require the same); a module no rank runs is fine.
 
 Where to read what (each file stands on its own)
 -----------------------------------------------
-* ``partition.py``: the flat buffer cut into padded buckets, chunk r to rank r.
+* ``partition.py``: the flat buffer cut into padded buckets, chunk r to rank r;
+  ``owned_ranges`` says which elements of each parameter a rank owns.
 * ``adamw.py``: the one AdamW update every stage applies to its chunks.
-* ``base.py``: ``ZeroOptimizer``, what all stages share (step, clipping,
-  unused parameters, measurements); ``ZeroOptimizer(model, stage)`` returns
-  the stage's class, looked up in ``STAGE_CLASSES``, which this file fills.
+* ``base.py``: ``ZeroOptimizer``, what all stages share (step, clipping
+  through ``helpers.clip``, unused parameters, measurements);
+  ``ZeroOptimizer(model, stage)`` returns the stage's class, looked up in
+  ``STAGE_CLASSES``, which this file fills.
 * ``stages.py``: stages 0, 1, 2, each a short class.
 * ``reduce_in_backward.py``: stages 2-3's reduce-scatter during backward.
 * ``stage3.py``: stage 3's units, gathered and freed around each module.
@@ -143,8 +145,8 @@ Where to read what (each file stands on its own)
 
 from helpers.comm import all_gather, reduce_scatter, ring_bytes_sent
 from helpers.zero.adamw import adamw_update
-from helpers.zero.base import PRECISIONS, STAGE_CLASSES, ZeroOptimizer
-from helpers.zero.partition import Bucket, FlatPartition, size_buckets
+from helpers.zero.base import PRECISION_DTYPES, STAGE_CLASSES, ZeroOptimizer
+from helpers.zero.partition import Bucket, FlatPartition, OwnedRange, size_buckets
 from helpers.zero.sharded import ShardedOptimizer
 from helpers.zero.stage3 import LEAF_MODULES, ZeroStage3
 from helpers.zero.stages import ZeroStage0, ZeroStage1, ZeroStage2
@@ -153,6 +155,7 @@ from helpers.zero.stages import ZeroStage0, ZeroStage1, ZeroStage2
 # stage's class (base.py imports no stage, so no import runs in a circle).
 STAGE_CLASSES.update({0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3})
 
-__all__ = ["ZeroOptimizer", "ShardedOptimizer", "FlatPartition", "Bucket", "size_buckets",
-           "ring_bytes_sent", "adamw_update", "reduce_scatter", "all_gather", "PRECISIONS",
+__all__ = ["ZeroOptimizer", "ShardedOptimizer", "FlatPartition", "Bucket", "OwnedRange",
+           "size_buckets", "ring_bytes_sent", "adamw_update", "reduce_scatter", "all_gather",
+           "PRECISION_DTYPES",
            "ZeroStage0", "ZeroStage1", "ZeroStage2", "ZeroStage3", "LEAF_MODULES"]

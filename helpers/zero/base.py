@@ -24,14 +24,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.clip import sharded_clip_grad_norm_
 from helpers.comm import ring_bytes_sent
 from helpers.memory import ModelStateBytes
 from helpers.zero.adamw import adamw_update, check_betas
-from helpers.zero.partition import Bucket, FlatPartition
+from helpers.zero.partition import FlatPartition
 
-__all__ = ["ZeroOptimizer", "PRECISIONS", "STAGE_CLASSES"]
+__all__ = ["ZeroOptimizer", "PRECISION_DTYPES", "STAGE_CLASSES"]
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# ``precision=`` name -> the dtype of the working weights and gradients (and of
+# what is communicated); the master weights and Adam's moments stay fp32.
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # stage -> its class, for ``ZeroOptimizer(model, stage)``. This module knows no
 # stage: ``helpers/zero/__init__.py`` imports the stage classes (``stages.py``,
@@ -71,8 +74,9 @@ class ZeroOptimizer:
                  weight_decay: float = 0.01, process_group=None, precision: str = "fp32",
                  bucket_cap_mb: float = 25.0, timeline=None, prefetch_bucket_numel: int = 0,
                  max_reuse_numel: int = 0, reduce_bucket_numel: int = 0):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        if precision not in PRECISION_DTYPES:
+            raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, "
+                             f"got {precision!r}")
         check_betas(betas)
         if not lr > 0 or not eps > 0 or not weight_decay >= 0:
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, eps={eps}, "
@@ -100,7 +104,7 @@ class ZeroOptimizer:
         self.timeline = timeline  # a helpers.overlap.Timeline: comm spans and waits
         self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
         self.beta1, self.beta2 = betas
-        self.dtype = PRECISIONS[precision]
+        self.dtype = PRECISION_DTYPES[precision]
         self.precision = precision
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -130,7 +134,8 @@ class ZeroOptimizer:
         numels = [p.numel() for p in self.params]
         elem_bytes = torch.finfo(self.dtype).bits // 8
         cap = max(1, int(bucket_cap_mb * 2**20) // elem_bytes)  # elements per bucket
-        self.partition = FlatPartition(numels, self.shards, self._bucket_groups(numels, cap))
+        self.partition = FlatPartition(numels, self.shards, self._bucket_groups(numels, cap),
+                                       shapes=[p.shape for p in self.params])
         with torch.no_grad():
             self._broadcast_replicated()
             self._setup()
@@ -235,27 +240,29 @@ class ZeroOptimizer:
             self.param_steps[i] += flag
         return [n if flag else None for n, flag in zip(self.param_steps, used)]
 
-    def _update_segments(self, b: Bucket, steps: list[int | None]):
-        """[lo, hi) ranges of this rank's chunk of bucket b, in chunk coordinates,
+    def _update_segments(self, bi: int, steps: list[int | None]):
+        """[lo, hi) ranges of this rank's chunk of bucket bi, in chunk coordinates,
         with the AdamW step count of the parameters there: one range when every
         parameter of the bucket is at the same step (the usual case), else one
-        per parameter, leaving out unused parameters and padding."""
+        per parameter (``FlatPartition.owned_ranges``), leaving out unused
+        parameters and padding."""
+        b = self.partition.buckets[bi]
         if len({steps[i] for i in b.params}) == 1 and steps[b.params[0]] is not None:
             return [(0, b.chunk, steps[b.params[0]])]
-        base = self.shard_rank * b.chunk  # where this chunk starts inside the bucket
         out = []
-        for i, off in zip(b.params, b.offsets):
-            lo, hi = max(off, base), min(off + self.params[i].numel(), base + b.chunk)
-            if lo < hi and steps[i] is not None:
-                out.append((lo - base, hi - base, steps[i]))
+        for o in self.partition.owned_ranges(self.shard_rank, buckets=[bi]):
+            if steps[o.index] is not None:
+                at = o.at - b.shard_start  # in chunk coordinates
+                out.append((at, at + o.hi - o.lo, steps[o.index]))
         return out
 
     def _update(self, grad_chunks: list[torch.Tensor], steps: list[int | None]) -> None:
         """AdamW on the chunks this rank owns, in fp32, skipping parameters that got
         no gradient on any rank (as torch.optim does after DDP)."""
-        for b, master, g in zip(self.partition.buckets, self._master_chunks, grad_chunks):
+        for bi, (b, master, g) in enumerate(zip(self.partition.buckets, self._master_chunks,
+                                                 grad_chunks)):
             s = b.shard_start
-            for lo, hi, step in self._update_segments(b, steps):
+            for lo, hi, step in self._update_segments(bi, steps):
                 adamw_update(master[lo:hi], g[lo:hi].float(), self.exp_avg[s + lo:s + hi],
                              self.exp_avg_sq[s + lo:s + hi], step, self.lr, self.beta1,
                              self.beta2, self.eps, self.weight_decay)
@@ -269,23 +276,18 @@ class ZeroOptimizer:
         sum of every rank's squared chunk norms (padding is zero and adds
         nothing); every rank then scales by the same factor
         ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
-        does. ``clip_grad_norm_`` on ``model.parameters()`` would see only this
+        does: ``helpers.clip.sharded_clip_grad_norm_``, which FSDP calls too.
+        ``clip_grad_norm_`` on ``model.parameters()`` would see only this
         rank's local (stages 0-1) or missing (stages 2-3) gradients, so ranks
         would clip by different factors. Stages 0-1 average here rather than in
-        ``step()``; the all-reduce of one number is the only extra traffic."""
-        if not max_norm > 0:
+        ``step()``; the all-reduce of one number is the only extra traffic
+        (stage 0: none, every rank holds the whole averaged gradient)."""
+        if not max_norm > 0:  # before the gradients are reduced
             raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-        chunks = self._averaged_grad_chunks()
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for c in chunks:
-            squares += c.float().pow(2).sum()
+        norm = sharded_clip_grad_norm_(self._averaged_grad_chunks(), max_norm, group=self.group,
+                                       shards=self.shards, device=self.device)
         if self.shards > 1:
-            dist.all_reduce(squares, group=self.group)  # sum over ranks' chunks
-            self._count("all_reduce", squares.element_size())
-        norm = squares.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for c in chunks:
-            c.mul_(coef.to(c.dtype))
+            self._count("all_reduce", norm.element_size())
         return norm
 
     @torch.no_grad()

@@ -75,14 +75,13 @@ class ShardedOptimizer(ZeroOptimizer):
         self._segments = []
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
                         for g in groups]
-        for k, (b, master) in enumerate(zip(self.partition.buckets, self._master_chunks)):
-            base = self.shard_rank * b.chunk
-            for i, off in zip(b.params, b.offsets):
-                lo, hi = max(off, base), min(off + self.params[i].numel(), base + b.chunk)
-                if lo < hi:
-                    seg = master[lo - base:hi - base]
-                    self._segments.append((k, lo - base, hi - base, i, seg))
-                    inner_groups[group_of[id(self.params[i])]]["params"].append(seg)
+        for o in self.partition.owned_ranges(self.shard_rank):
+            k = o.bucket
+            lo = o.at - self.partition.buckets[k].shard_start  # in the bucket's chunk
+            hi = lo + o.hi - o.lo
+            seg = self._master_chunks[k][lo:hi]
+            self._segments.append((k, lo, hi, o.index, seg))
+            inner_groups[group_of[id(self.params[o.index])]]["params"].append(seg)
         if not self._segments:
             raise ValueError(f"rank {self.rank} owns no element of any parameter: "
                              f"{self.partition.total} elements over {self.world} ranks")
