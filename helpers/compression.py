@@ -214,7 +214,7 @@ class PowerSGDHook(_Counting):
         """Called by ``BucketedDDP`` at construction (on every rank, in the same
         order): read each bucket's layout; for ``asynchronous`` make the worker's
         process group (a collective: every rank of the DDP group calls it)."""
-        for flat, layout in zip(ddp._flat, ddp.layout):
+        for flat, layout in zip(ddp.flat_buffers, ddp.layout):
             self.set_layout(flat, [p.shape for p, _, _ in layout])
         if self.asynchronous and world_size(ddp.process_group) > 1:
             ranks = (None if ddp.process_group is None

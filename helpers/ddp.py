@@ -15,7 +15,8 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
    after its first iteration; see "How production differs".) The first bucket is kept small
    (``first_bucket_mb``, default 1 MB) so that the first all-reduce starts
    as early as possible (Li et al. 2020, sec. 3.2.3 and 4.2; DDP's
-   ``bucket_cap_mb`` / first-bucket cap).
+   ``bucket_cap_mb`` / first-bucket cap). The rule is ``assign_buckets``,
+   which ZeRO's stage 2 uses as well (``helpers.zero.partition.size_buckets``).
 3. **Hooks.** A post-accumulate-grad hook on every parameter fires when that
    parameter's ``.grad`` is final for this backward. When a bucket's last
    gradient arrives, its gradients are copied into one flat buffer and the
@@ -79,7 +80,8 @@ bucket pays one alpha but cannot start until backward ends.
 all-reduce of a bucket (DDP's ``register_comm_hook``). The future must
 resolve to the *averaged* flat gradient, same shape. Chapter 16 plugs
 compression in here. A hook with a ``bind(ddp)`` method is handed the
-BucketedDDP once, at construction, on every rank (PowerSGD reads which
+BucketedDDP once, at construction, on every rank; what it may read is
+public: ``buckets``, ``layout`` and ``flat_buffers`` (PowerSGD reads which
 tensors each bucket holds, as DDP's ``GradBucket.gradients()`` tells torch's
 hooks).
 
@@ -162,19 +164,44 @@ def ring_allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Fu
 def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: float,
                    first_bucket_bytes: float | None = None,
                    dtypes: Sequence | None = None) -> list[list[int]]:
-    """Group parameters (given in registration order) into buckets.
+    """Group parameters (given in registration order) into buckets: the one
+    bucketing rule of the course, used by ``BucketedDDP`` and by ZeRO's stage 2
+    (``helpers.zero.partition.size_buckets``, which counts elements instead of
+    bytes: any unit works if sizes and caps share it).
 
-    Walk the parameters from last registered to first (the order backward
-    produces their gradients); add each to the open bucket of its dtype; close
-    that bucket as soon as it holds at least its cap (so a bucket exceeds the
-    cap by at most one parameter, and a parameter larger than the cap gets a
-    bucket of its own). The first bucket of each dtype has cap
-    ``first_bucket_bytes``, later ones ``bucket_cap_bytes``. Buckets of one
-    flat buffer need one dtype, hence one open bucket per dtype.
+    Walk the parameters from last registered to first; add each to the open
+    bucket of its dtype; close that bucket as soon as it holds at least its
+    cap (so a bucket exceeds the cap by at most one parameter, and a
+    parameter larger than the cap gets a bucket of its own). The first bucket
+    of each dtype has cap ``first_bucket_bytes`` (default: ``bucket_cap_bytes``),
+    later ones ``bucket_cap_bytes``. Buckets of one flat buffer need one
+    dtype, hence one open bucket per dtype.
+
+    Why reverse: gradients arrive roughly in reverse. Backward visits the
+    layers in the reverse of forward, and a model usually registers its
+    modules in the order forward uses them, so the last-registered parameters
+    get their gradients first. Bucket 0 then is complete first and its
+    all-reduce overlaps the rest of backward; in registration order the first
+    bucket would wait for the very last gradient. It is a guess from the
+    registration order; torch's DDP replaces it after the first iteration by
+    the order it saw (module docstring, "How production differs").
+
+    Why a smaller first bucket: it is complete, and its all-reduce starts,
+    sooner. In torch 2.13 the value is ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+    = 1 MiB (``kDefaultFirstBucketBytes = 1024 * 1024`` in c10d's
+    reducer.hpp), the later caps ``bucket_cap_mb`` = 25 MiB
+    (``_DEFAULT_BUCKET_CAP_MB`` in torch/nn/parallel/distributed.py). torch
+    applies the 1 MiB only while ``bucket_cap_mb`` is left at its default:
+    ``_BucketCapacityConfig.create`` sets ``first_bucket_bytes_cap =
+    dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else
+    bucket_bytes_cap``. BucketedDDP keeps ``first_bucket_mb=1`` whatever
+    ``bucket_cap_mb`` is; pass ``first_bucket_mb=bucket_cap_mb`` for torch's
+    layout with an explicit cap.
 
     Returns lists of parameter indices, buckets in the order they are
     expected to become ready. Same rule as DDP's
-    ``_compute_bucket_assignment_by_size`` fed the parameters in reverse.
+    ``_compute_bucket_assignment_by_size`` fed the parameters in reverse
+    (tests/test_ddp.py compares the two on random cases).
     """
     n = len(sizes_bytes)
     if first_bucket_bytes is None:
@@ -211,6 +238,18 @@ class BucketedDDP(nn.Module):
     every ``.grad`` is the average over the group's ranks. ``ddp.timeline`` is
     the list of {"bucket", "event", "t"} of the last synchronized backward,
     events "ready" / "launched" / "finished", t from ``time.perf_counter()``.
+
+    The buckets, for comm hooks and readers (fixed at construction, the same
+    on every rank; bucket b is launched b-th):
+
+    * ``buckets[b]``: its parameters, in the order they are packed;
+    * ``layout[b]``: ``(param, start, end)`` per parameter, where its
+      gradient sits in the bucket's flat buffer;
+    * ``flat_buffers[b]``: that flat buffer (1-D, the parameters' dtype and
+      device). The same tensor every step: it is what ``comm_hook`` receives
+      for bucket b, so a hook may key per-bucket state on it (PowerSGD's
+      error feedback and warm start do). Between backwards it holds the last
+      averaged gradients; do not write to it.
     """
 
     # Held while a hook counts and launches, and while finish_backward runs: hooks
@@ -249,7 +288,7 @@ class BucketedDDP(nn.Module):
                 bucket_cap_mb * MB, first_bucket_mb * MB, [p.dtype for p in self.params])]
         self.bucket_of_param: dict[int, int] = {}  # id(param) -> bucket index
         self.layout: list[list[tuple[nn.Parameter, int, int]]] = []  # (param, start, end)
-        self._flat: list[torch.Tensor] = []
+        self.flat_buffers: list[torch.Tensor] = []
         for b, bucket in enumerate(self.buckets):
             offset, layout = 0, []
             for p in bucket:
@@ -257,7 +296,8 @@ class BucketedDDP(nn.Module):
                 layout.append((p, offset, offset + p.numel()))
                 offset += p.numel()
             self.layout.append(layout)
-            self._flat.append(torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
+            self.flat_buffers.append(
+                torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         if hasattr(self.comm_hook, "bind"):  # a hook that needs the buckets' layout
             self.comm_hook.bind(self)
@@ -320,7 +360,7 @@ class BucketedDDP(nn.Module):
         """Forget a backward that failed before finishing (called from forward).
 
         Buckets it had already launched are still being all-reduced into
-        ``self._flat``; wait for them so that the next backward does not copy
+        ``self.flat_buffers``; wait for them so that the next backward does not copy
         gradients into a buffer the old collective is writing, and so that the
         next collectives pair with the same calls on the other ranks. This
         assumes every rank failed at the same point (the same exception in the
@@ -385,7 +425,7 @@ class BucketedDDP(nn.Module):
                 f"Launched in the order gradients arrive, ranks issue their all-reduces in "
                 f"different orders and gloo pairs different buckets (size mismatch, SIGABRT).")
         self._n_launched += 1
-        flat = self._flat[b]
+        flat = self.flat_buffers[b]
         for p, start, end in self.layout[b]:
             if p.grad is None:  # no gradient on this rank this step: contributes zero
                 self._locally_used[self._index[id(p)]] = False
@@ -420,7 +460,7 @@ class BucketedDDP(nn.Module):
         used_work = None
         if self.find_unused_parameters and self.world_size > 1:
             used = torch.tensor(self._locally_used, dtype=torch.int32,
-                                device=self._flat[0].device if self._flat else "cpu")
+                                device=self.flat_buffers[0].device if self.flat_buffers else "cpu")
             used_work = (used, dist.all_reduce(used, group=self.process_group,
                                                async_op=True))
         results = [f.wait() for f in self.futures]

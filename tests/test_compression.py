@@ -183,6 +183,27 @@ def test_bad_arguments():
     assert should_compress(32, 128, 4) and not should_compress(32, 32, 8)
 
 
+def test_powersgd_reads_the_buckets_through_bucketed_ddps_public_attributes():
+    """bind() needs each bucket's flat buffer and the shapes packed in it: it reads
+    BucketedDDP's documented ``flat_buffers``, ``layout`` and ``process_group``
+    and nothing else, so a stand-in holding only those binds the same way."""
+    import types
+
+    from helpers.ddp import BucketedDDP
+    from helpers.model import build_model
+
+    ddp = BucketedDDP(build_model("toy", seed=0), bucket_cap_mb=0.01, first_bucket_mb=0.01)
+    stand_in = types.SimpleNamespace(flat_buffers=ddp.flat_buffers, layout=ddp.layout,
+                                     process_group=ddp.process_group)
+    hook = PowerSGDHook(rank=2)
+    hook.bind(stand_in)
+    assert len(ddp.flat_buffers) == len(ddp.buckets) > 1
+    for flat, layout in zip(ddp.flat_buffers, ddp.layout):
+        assert flat.numel() == layout[-1][2]
+        got = hook.layouts[(flat.data_ptr(), flat.numel())]
+        assert [shape for shape, _, _ in got] == [p.shape for p, _, _ in layout]
+
+
 def test_hooks_keep_the_buckets_device():
     """On the meta device a workspace made on the CPU fails at its first copy."""
     for hook in (cast_hook(torch.bfloat16), TopKHook(0.1), PowerSGDHook(rank=2)):
@@ -274,7 +295,7 @@ def _against_torch_hooks(cuda_present=False):
     slot = {n: i for i, (n, _) in enumerate(
         sorted(((n, p) for n, p in mine.named_parameters()),
                key=lambda np_: [id(q) for q, _, _ in ours.layout[0]].index(id(np_[1]))))}
-    key = (ours._flat[0].data_ptr(), ours._flat[0].numel())
+    key = (ours.flat_buffers[0].data_ptr(), ours.flat_buffers[0].numel())
     for step in range(5):
         if step >= 3:
             _hand_state_over(state, h, key, [name[i] for i in order], dict(theirs.named_parameters()),

@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from helpers import launch, rank_info
 from helpers.data import make_dataset
-from helpers.ddp import BucketedDDP, assign_buckets, completed_future, ring_allreduce_hook
+from helpers.ddp import (MB, BucketedDDP, assign_buckets, completed_future,
+                         ring_allreduce_hook)
 from helpers.model import build_model
 from helpers.tolerance import assert_within_fp32_noise, within_fp32_noise
 
@@ -43,6 +44,20 @@ def test_assign_buckets_reverse_order_small_first_bucket_and_dtypes():
     assert assign_buckets([8, 8, 8, 8], 16, 16, [f32, f16, f32, f16]) == [[3, 1], [2, 0]]
     with pytest.raises(ValueError):
         assign_buckets([1], -1)
+
+
+def test_default_caps_are_torchs():
+    """first_bucket_mb=1 and bucket_cap_mb=25 are torch's own defaults, as
+    assign_buckets' docstring says: torch 2.13 takes the first cap from
+    dist._DEFAULT_FIRST_BUCKET_BYTES (c10d's kDefaultFirstBucketBytes) and
+    the others from distributed.py's _DEFAULT_BUCKET_CAP_MB."""
+    import inspect
+
+    from torch.nn.parallel import distributed as torch_ddp
+
+    defaults = inspect.signature(BucketedDDP).parameters
+    assert defaults["first_bucket_mb"].default * MB == dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    assert defaults["bucket_cap_mb"].default == getattr(torch_ddp, "_DEFAULT_BUCKET_CAP_MB", 25)
 
 
 def test_bad_arguments_raise_before_any_communication():
