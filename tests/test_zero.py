@@ -13,6 +13,7 @@ reference's own gradients and second moments.
 """
 
 import copy
+import random
 
 import pytest
 import torch
@@ -925,3 +926,113 @@ def test_unused_parameters_as_ddp():
         for res in launch(_unused_like_ddp, 2, stage, timeout=120):
             assert res["diff"] == 0.0, (stage, res)
             assert not res["never_moved"], stage
+
+
+# --------------------------------------------------------------------------
+# Reduce-scatters in one order on every rank, whatever order gradients arrive in.
+# --------------------------------------------------------------------------
+
+class _Gate(torch.nn.Module):
+    """One module, two parameters of its own (one stage-3 unit): ``extra`` is used
+    only when forward is asked to, so it can be unused on one rank only."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(d))
+        self.extra = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, h, use_extra):
+        h = h * self.scale
+        return h + torch.tanh(h @ self.extra) if use_extra else h
+
+
+class _Branches(torch.nn.Module):
+    """Branches run in the order given to forward, so their gradients arrive in that
+    order reversed: with another order on every rank, every rank completes its
+    buckets in another order. Embedding and head share one weight (tied), complete
+    at yet another point. Sizes differ (128, 64 and 8 elements), so two ranks that
+    reduce-scatter different buckets at once mostly mismatch in size (gloo aborts);
+    where sizes agree the sums are silently wrong."""
+
+    def __init__(self, k=4, d=8, vocab=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.branches = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+        self.gate = _Gate(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens, x, order, use_extra):
+        h = 0
+        for i in order:  # i == k: the embedding lookup; else branch i
+            h = h + (self.emb(tokens) if i == len(self.branches)
+                     else torch.tanh(self.branches[i](x)))
+        return torch.nn.functional.cross_entropy(self.head(self.gate(h, use_extra)), tokens)
+
+
+def _arrivals_differ(stage, steps):
+    """ZeroOptimizer vs torch's DDP(find_unused_parameters=True) + AdamW when each
+    rank gets its gradients in its own order and ``gate.extra`` is used on rank 0
+    only. Stage 2: a bucket per parameter, branches in a random order per rank and
+    step. Stage 3 all-gathers a module's weights as it runs, so every rank runs the
+    modules in one order (as FSDP requires): there the unit holding the extra
+    parameter completes during backward on rank 0 and only at its end on rank 1."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from helpers.overlap import Timeline
+
+    r = rank_info()
+    rng = random.Random(r.rank)  # orders differ between ranks
+    torch.manual_seed(0)
+    base = _Branches()
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    arrived = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: arrived.append(n))
+    tl = Timeline()
+    opt = ZeroOptimizer(model, stage, lr=LR, bucket_cap_mb=4 / 2**20, timeline=tl)  # 1 element
+    ddp = DistributedDataParallel(ref, find_unused_parameters=True)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    g = torch.Generator().manual_seed(1)  # one global batch per step, a shard each
+    out = {"arrivals": [], "issued": []}
+    for _ in range(steps):
+        order = list(range(len(base.branches) + 1))
+        if stage == 2:
+            rng.shuffle(order)
+        tokens = torch.randint(0, 16, (4 * r.world_size,), generator=g)[4 * r.rank:4 * r.rank + 4]
+        x = torch.randn(4 * r.world_size, 8, generator=g)[4 * r.rank:4 * r.rank + 4]
+        arrived.clear()
+        tl.clear()
+        model(tokens, x, order, r.rank == 0).backward()
+        out["arrivals"].append(tuple(arrived))
+        # the waits at the end of backward, in the order the reduce-scatters were issued
+        out["issued"].append([e["name"] for e in tl.events
+                              if e["lane"] == "wait" and e["name"].startswith("reduce-scatter")])
+        opt.step()
+        ddp(tokens, x, order, r.rank == 0).backward()
+        o_ref.step()
+        o_ref.zero_grad()
+    full = opt.full_parameters()
+    out["diff"] = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    out["buckets"] = len(opt.partition.buckets)
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reduce_scatters_go_in_one_order_whatever_order_gradients_arrive(stage):
+    """Launched as each bucket completed (the old code), the ranks issued their
+    reduce-scatters in different orders: gloo aborted a rank ("Received data size
+    doesn't match expected size", SIGABRT) or summed one rank's bucket with another
+    bucket of the other. In one launch order the same collectives pair up, and a
+    parameter used on one rank only is averaged with zeros from the other, as
+    DDP(find_unused_parameters=True) does: 2 ranks, a/2 + 0, bitwise equal."""
+    steps = 8
+    results = launch(_arrivals_differ, 2, stage, steps, timeout=120)
+    for res in results:
+        assert res["diff"] == 0.0, res["diff"]
+        assert all(len(names) == res["buckets"] for names in res["issued"])
+    assert results[0]["issued"] == results[1]["issued"]  # same order, every step
+    # the gradients did arrive in different orders on the two ranks
+    assert all(a != b for a, b in zip(results[0]["arrivals"], results[1]["arrivals"]))
+    if stage == 2:  # ... and in many orders
+        assert len(set(results[0]["arrivals"])) > steps // 2
