@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _args import at_least  # noqa: E402  (benchmarks/ is on sys.path)
-from helpers import planner  # noqa: E402
+from helpers import costs, planner  # noqa: E402
 from helpers.topology import h100_cluster  # noqa: E402
 
 MODEL = planner.ModelSpec(name="70B", layers=80, hidden=8192, heads=64, vocab=32000, seq=4096,
@@ -42,8 +42,7 @@ def _gpus(text: str) -> list[int]:
 
 
 def _cold_plan(gpus: int) -> tuple[float, float, planner.Ranking]:
-    for cached in (planner.cost._affine, planner.cost._state, planner.cost._activations):
-        cached.cache_clear()
+    costs.clear_caches()   # placements, collectives, model state, activations
     wall, cpu = time.perf_counter(), time.process_time()
     p = planner.plan(MODEL, 1024, planner.H100_80GB, h100_cluster(gpus // 8))
     return time.perf_counter() - wall, time.process_time() - cpu, p

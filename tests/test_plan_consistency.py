@@ -1,47 +1,29 @@
-"""Chapters 19 and 20 describe the same layout with the same numbers.
+"""Chapters 19 and 20 price a layout with one library, term by term.
 
 The planner (``helpers.planner``, chapter 20) ranks ``Layout``s; chapter 19's
-``estimate`` costs a ``Plan``. ``Layout.to_plan`` turns one into the other, and
-for the layouts below each term that both compute must agree:
+``estimate`` costs a ``Plan``; ``Layout.to_plan`` turns one into the other.
+Both read their input into the per-term cost library ``helpers.costs``, so
+for the same layout:
 
-* memory: both call ``helpers.memory.model_state_bytes`` and
-  ``activation_bytes_model`` with the same arguments on the same
-  ``ModelSpec.dense_params()``, so the floats are identical: exact equality.
-  Where they legitimately differ, the difference is checked to be that term:
-  ZeRO-3's gathered layers (only chapter 19 counts them) and fp32 main
-  gradients (a ``Plan`` knob the planner does not offer; 2 more bytes per
-  parameter, so chapter 19's gradients are twice the planner's).
-* compute and bubble: the same FLOP count (``hardware_flops_per_step``) and
-  ``bubble_formula``, written as compute / (1 - f) - compute in one and
-  compute f / (1 - f) in the other: equal up to a few roundings.
-* TP communication time: four (six with full recompute) ring all-reduces per
-  layer per micro-batch on the node's link in both; the planner interpolates
-  chapter 07's cost linearly in the bytes, an exact model evaluated with a
-  few more roundings.
-* PP: both charge 2 v m hops of one activation (1/tp of it, sequence
-  parallel); chapter 19 exposes only the fill and drain hops, which is a
-  different claim about overlap, so its ``comm_time`` (all hops) is compared.
+* every shared term is computed by one call: each library function the two
+  use (model state, activations, compute, bubble, and the communication of
+  TP, PP, CP, EP and DP) is called by both with the same arguments, and
+* every shared term has the same value, to the bit (the same function on
+  the same arguments does the same float64 arithmetic).
 
-DP is not compared: the planner models NCCL's hierarchical rings and overlaps
-the whole reduce with the last backward; chapter 19 uses a flat ring and hides
-reduce-scatter and all-gather separately. Two cost models of one mechanism,
-each checked against its own chapter's references.
+What only one of them counts is checked to be that term and nothing else:
+ZeRO-3's gathered layers (chapter 19; the planner leaves them out) and fp32
+main gradients (a ``Plan`` knob the planner does not offer).
 """
 
-import sys
+import inspect
 
 import pytest
 
+from helpers import costs
 from helpers.frameworks import Cluster, ModelSpec, Plan, estimate
 from helpers.planner import H100_80GB, Layout, evaluate
 from helpers.topology import h100_cluster
-
-EPS = 2.0 ** -52
-# A handful of float64 roundings (each <= EPS / 2 relative) separate the two
-# sides where they do not share an expression; 1e-12 leaves four orders of
-# margin and is far below any difference of formula (an all-reduce more, a
-# different link, a layer more: percent-level changes).
-REL = 1e-12
 
 LLAMA_7B = ModelSpec(name="7B", layers=32, hidden=4096, heads=32, vocab=32000, seq=4096,
                      ffn=11008, gated_mlp=True)
@@ -49,6 +31,10 @@ LLAMA_70B = ModelSpec(name="70B", layers=80, hidden=8192, heads=64, vocab=32000,
                       ffn=28672, kv_heads=8, gated_mlp=True)
 GPT3 = ModelSpec(name="GPT-3 175B", layers=96, hidden=12288, heads=96, vocab=51200, seq=2048,
                  tied_embeddings=True)
+GPT_1B = ModelSpec(name="GPT 1.3B", layers=24, hidden=2048, heads=16, vocab=51200, seq=2048,
+                   tied_embeddings=True)
+MOE = ModelSpec(name="MoE", layers=16, hidden=2048, heads=16, vocab=32000, seq=2048, experts=8,
+                top_k=2)
 
 # (model, layout, global batch, nodes of 8 H100s)
 CASES = [
@@ -59,10 +45,23 @@ CASES = [
     # stages 4 GPUs apart on 8-GPU nodes: the first hop stays in the node, the
     # second crosses it, and the pipeline runs at the slower one
     (LLAMA_7B, Layout(1, 4, 4, recompute="selective"), 64, 2),
+    # context parallel across nodes (CP group 8 apart: one GPU per node)
+    (LLAMA_70B, Layout(4, 8, 2, cp=2, zero=1, recompute="selective"), 256, 16),
+    # experts split over 4 of the 16 DP ranks, reduced over the other 4
+    (MOE, Layout(16, 1, 1, ep=4, zero=1), 256, 2),
+    # plain DP over 8 whole nodes: the all-reduce on all 8 NICs of each node
+    (GPT_1B, Layout(64, 1, 1, zero=0, recompute="selective", micro_batch=4), 256, 8),
 ]
-IDS = ["7B-ZeRO1-8", "70B-TP8-PP4-v2", "GPT3-TP8-PP16", "7B-ZeRO3-16", "7B-TP4-PP4-2nodes"]
+IDS = ["7B-ZeRO1-8", "70B-TP8-PP4-v2", "GPT3-TP8-PP16", "7B-ZeRO3-16", "7B-TP4-PP4-2nodes",
+       "70B-CP2", "MoE-EP4", "1B-DP64-ZeRO0"]
 MEMORY = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer state",
           "activations": "activations"}
+TIME = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "tp (exposed)",
+        "pp_p2p": "pp (exposed)", "cp_comm": "cp (exposed)", "ep_comm": "ep (exposed)",
+        "dp_comm": "dp (exposed)"}
+# the library functions both chapters call
+SHARED = ("model_state", "activations", "compute_time", "bubble_time", "tp_cost", "pp_cost",
+          "cp_cost", "ep_cost", "dp_cost")
 
 
 def _both(model, layout, global_batch, nodes, **choices):
@@ -74,21 +73,80 @@ def _both(model, layout, global_batch, nodes, **choices):
     return cand, est
 
 
+def _record(monkeypatch):
+    """Wrap each shared library function; return {name: [bound arguments of each call]}."""
+    calls = {name: [] for name in SHARED}
+    for name in SHARED:
+        fn = getattr(costs, name)
+        sig = inspect.signature(getattr(fn, "__wrapped__", fn))
+
+        def wrapper(*args, _fn=fn, _sig=sig, _name=name, **kwargs):
+            bound = _sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            calls[_name].append(dict(bound.arguments))
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(costs, name, wrapper)
+    return calls
+
+
 @pytest.mark.parametrize("model,layout,global_batch,nodes", CASES, ids=IDS)
-def test_memory_terms_agree(model, layout, global_batch, nodes):
+def test_both_call_the_library_with_the_same_arguments(model, layout, global_batch, nodes,
+                                                       monkeypatch):
+    calls = _record(monkeypatch)
+    topo = h100_cluster(nodes)
+    evaluate(model, layout, global_batch, H100_80GB, topo, mfu=0.5, memory_fraction=1.0)
+    planner = {name: list(c) for name, c in calls.items()}
+    for c in calls.values():
+        c.clear()
+    estimate(layout.to_plan(global_batch), model,
+             Cluster.of(H100_80GB, topo, matmul_efficiency=0.5))
+    for name in SHARED:
+        assert planner[name], f"the planner does not call costs.{name}"
+        assert calls[name], f"chapter 19's estimate does not call costs.{name}"
+        # one call each, the same arguments (2 and 2.0 compare equal: the same value)
+        assert planner[name] == calls[name], name
+
+
+@pytest.mark.parametrize("model,layout,global_batch,nodes", CASES, ids=IDS)
+def test_every_shared_term_has_the_same_value(model, layout, global_batch, nodes):
     cand, est = _both(model, layout, global_batch, nodes)
     mem = {t.name: t.value for t in est.memory}
     for mine, theirs in MEMORY.items():
-        assert cand.memory[mine] == mem[theirs], mine      # same call, same floats
+        assert cand.memory[mine] == mem[theirs], mine
+    time = {t.name: t.value for t in est.time}
+    for mine, theirs in TIME.items():
+        assert cand.time[mine] == time[theirs], mine      # same call, same floats
+    assert set(time) == set(TIME.values())                # no term only one of them has
+    if layout.tp > 1:
+        assert cand.time["tp_comm"] > 0
+    if layout.pp > 1:
+        assert cand.time["bubble"] > 0 and cand.time["pp_p2p"] > 0
+    if layout.cp > 1:
+        assert cand.time["cp_comm"] > 0
+    if layout.ep > 1:
+        assert cand.time["ep_comm"] > 0
+    # the exposed time is part of the collective time that chapter 19 also lists
+    comm_time = {t.name: t.value for t in est.comm_time}
+    for axis in ("tp", "pp", "cp", "ep", "dp"):
+        assert time[f"{axis} (exposed)"] <= comm_time[axis]
+
+
+@pytest.mark.parametrize("model,layout,global_batch,nodes", CASES, ids=IDS)
+def test_only_chapter_19_counts_gathered_layers(model, layout, global_batch, nodes):
+    cand, est = _both(model, layout, global_batch, nodes)
+    mem = {t.name: t.value for t in est.memory}
     extra = set(mem) - set(MEMORY.values())
     if layout.zero == 3:
         # chapter 15's gathered layers: one layer all-gathered in bf16, plus the prefetched next
         assert extra == {"gathered layers"}
-        assert mem["gathered layers"] == 2 * model.layer_params() / layout.tp * 2
+        assert mem["gathered layers"] == 2 * (model.layer_params() / layout.tp * 2)
+        # the other four are equal (above): the totals differ by this term, up to the
+        # rounding of two ~1e10 sums (rel 1e-12)
         assert est.memory_total - cand.memory_total == pytest.approx(
-            mem["gathered layers"], rel=REL)
+            mem["gathered layers"], rel=1e-12)
     else:
-        assert not extra
+        assert not extra and est.memory_total == cand.memory_total
 
 
 def test_fp32_main_grads_are_the_difference():
@@ -98,34 +156,22 @@ def test_fp32_main_grads_are_the_difference():
     # 4 bytes per parameter instead of 2, sharded the same way (ZeRO-1 leaves them whole)
     assert mem["gradients"] == 2 * cand.memory["grads"]
     assert mem["weights"] == cand.memory["weights"]
-
-
-@pytest.mark.parametrize("model,layout,global_batch,nodes", CASES, ids=IDS)
-def test_step_time_terms_agree(model, layout, global_batch, nodes):
-    cand, est = _both(model, layout, global_batch, nodes)
-    time = {t.name: t.value for t in est.time}
-    comm = {t.name: t.value for t in est.comm_time}
-    assert cand.time["compute"] == pytest.approx(time["compute"], rel=REL)
-    # the bubble is compared to compute: f/(1-f) of it, rounding errors of its size
-    assert cand.time["bubble"] == pytest.approx(time["pipeline bubble"],
-                                                abs=REL * time["compute"])
-    assert cand.time["tp_comm"] == pytest.approx(time["tp (exposed)"], rel=REL)
-    assert cand.time["pp_p2p"] == pytest.approx(comm["pp"], rel=REL)
-    if layout.tp > 1:
-        assert cand.time["tp_comm"] > 0
-    if layout.pp > 1:
-        assert cand.time["bubble"] > 0 and cand.time["pp_p2p"] > 0
+    # and they are reduced in fp32: chapter 19's reduce-scatter moves twice the bytes
+    comm = {t.name: t.value for t in est.comm}
+    bf16 = {t.name: t.value for t in _both(model, layout, gb, nodes)[1].comm}
+    rs_ag = bf16["dp"] / 2                 # reduce-scatter and all-gather, equal bytes in bf16
+    assert comm["dp"] == pytest.approx(3 * rs_ag, rel=1e-12)
 
 
 def test_full_recompute_leaves_the_output_layer_alone():
     """Narayanan et al. 2021, eq. 3: with full recompute the layers run 4 passes but
     the output layer 3 (its V/16lh term is 6 B s h V): the extra forward covers the
     layers only, so the factor is below 4/3."""
-    cost = sys.modules["helpers.planner.cost"]
     m = GPT3
-    full = cost._recompute_factor(m, "full")
+    full = costs.recompute_factor(m, "full")
     layers = m.forward_flops_per_token() - 2 * m.hidden * m.vocab
-    assert full == pytest.approx(1 + layers / (3 * m.forward_flops_per_token()), rel=REL)
+    # the same ratio by another order of operations: float64 rounding only (rel 1e-12)
+    assert full == pytest.approx(1 + layers / (3 * m.forward_flops_per_token()), rel=1e-12)
     assert full < 4 / 3
 
 
@@ -134,7 +180,7 @@ def test_layout_round_trip():
     plan = lay.to_plan(256)
     assert isinstance(plan, Plan)
     assert (plan.dp, plan.tp, plan.pp, plan.cp, plan.vpp, plan.zero_stage) == (8, 8, 4, 2, 2, 1)
-    assert plan.grad_accum == 16 and plan.global_batch_ == 256 and plan.sequence_parallel
+    assert plan.grad_accum == 16 and plan.sequences_per_step == 256 and plan.sequence_parallel
     plan.validate(lay.world, LLAMA_70B)
     assert Layout.from_plan(plan) == lay
     with pytest.raises(ValueError, match="not a multiple of dp x micro-batch"):

@@ -14,7 +14,6 @@ Published layouts:
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
@@ -22,8 +21,7 @@ from helpers.memory import training_memory
 from helpers.pipeline.partition import pipeline_step_time
 from helpers.planner import (A100_80GB, H100_80GB, TERMS, Layout, ModelSpec, evaluate,
                              flops_per_token, ladder, plan, structures)
-from helpers.planner.cost import _affine, _coll
-from helpers.topology import a100_cluster, collective_cost, h100_cluster, pcie_cluster
+from helpers.topology import a100_cluster, h100_cluster, pcie_cluster
 from helpers.tp.cost import tp_layer_comm_time, tp_layer_compute_time
 
 # (params in B, heads, hidden, layers, TP, PP, GPUs, batch): Narayanan et al. 2021, Table 1
@@ -111,30 +109,28 @@ def test_bubble_and_tp_terms_are_chapters_11_and_09s_models():
     assert e.time["tp_comm"] == pytest.approx(per_layer * (m.layers // 4) * n_mb, rel=1e-12)
 
 
-def test_affine_collective_times_equal_collective_cost():
-    # every ch. 07 model is sum of (alpha + n/beta) steps: two calls give all sizes;
-    # rel 1e-9 covers the rounding of (t(1 GB) - t(0)) / 1 GB
-    topo = h100_cluster(16)
-    rng = random.Random(0)
-    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
-        for size, stride in ((16, 8), (32, 4), (8, 1), (128, 1)):
-            nbytes = rng.uniform(1e3, 1e11)
-            ranks = list(range(0, size * stride, stride))
-            want = collective_cost(topo, coll, nbytes, ranks, "hierarchical").time
-            assert _coll(topo, coll, nbytes, size, stride) == pytest.approx(want, rel=1e-9)
-    a, b = _affine(topo, "all_reduce", 16, 8)
-    assert a > 0 and b > 0
-
-
-def test_uneven_group_uses_the_flat_ring():
-    # 20 consecutive GPUs on 8-GPU nodes (8, 8, 4): the ring model over 20 GPUs crossing nodes
-    # the flat ring's time depends on P and on crossing nodes, not on the split
-    topo = a100_cluster(8)
-    want = collective_cost(topo, "all_reduce", 1e9, [n * 8 + i for n in range(5) for i in range(4)],
-                           "ring").time
-    assert want == collective_cost(a100_cluster(20), "all_reduce", 1e9, list(range(0, 160, 8)),
-                                   "ring").time
-    assert _coll(topo, "all_reduce", 1e9, 20, 1) == pytest.approx(want, rel=1e-9)
+def test_dp_term_is_nccls_ring_on_the_strided_group():
+    # 7B, DP 8 x TP 8 on 8 H100 nodes, ZeRO-0: the DP group of GPU 0 is {0, 8, ..., 56},
+    # one GPU per node, so NCCL's ring has 2(P-1) = 14 steps, all across the network
+    # (nInterSteps = 2(n-1) = 14), on one NIC per group (k m / g = 8 x 1 / 8): the
+    # all-reduce of the 1/8 of the bf16 gradients this GPU holds, exposed beyond the
+    # last micro-batch's backward (2/3 of its compute)
+    m, lay, topo = LLAMA_7B, Layout(8, 8, 1, zero=0, recompute="selective"), h100_cluster(8)
+    e = evaluate(m, lay, 64, H100_80GB, topo, memory_fraction=1e9)
+    nbytes = m.dense_params() / 8 * 2
+    ring = 14 * topo.inter.latency + 2 * 7 / 8 * nbytes / topo.inter.bandwidth
+    t_mb = e.time["compute"] / (64 // 8)
+    # the same sum in another order: float64 rounding only (rel 1e-12)
+    assert e.time["dp_comm"] == pytest.approx(max(0.0, ring - 2 / 3 * t_mb), rel=1e-12)
+    # packed: DP 64 x TP 1 fills every node, and ZeRO-1 all-gathers the updated bf16
+    # weights after the step (not overlapped: Layout.to_plan's choice): 63 ring steps,
+    # 7 of them across nodes, all 8 NICs carrying it, busbw min(NVLink 450, 8 x 50) =
+    # 400 GB/s; the reduce-scatter hides behind the backward
+    lay = Layout(64, 1, 1, zero=1, recompute="selective")
+    e = evaluate(m, lay, 64, H100_80GB, topo, memory_fraction=1e9)
+    nbytes = m.dense_params() * 2
+    gather = 56 * topo.intra.latency + 7 * topo.inter.latency + 63 / 64 * nbytes / 400e9
+    assert e.time["dp_comm"] == pytest.approx(gather, rel=1e-12)
 
 
 def test_structures_multiply_to_the_world_without_duplicates():

@@ -18,8 +18,8 @@ what a plan costs.
   (``KNOBS``), or is kept in ``Plan.unmapped`` with the reason.
 * ``estimate``: ``estimate(plan, model, cluster) -> Estimate``: per-GPU memory,
   bytes per step per axis, step time; each term labelled with its chapter,
-  each computed by the chapter's own function (``helpers.memory``,
-  ``helpers.tp``, ``helpers.pipeline``, ``helpers.topology``).
+  each computed by the per-term cost library ``helpers.costs``, which chapter
+  20's planner calls with the same arguments.
 * ``crosscheck``: DeepSpeed's memory estimators and Megatron's documented
   bytes per parameter next to the ZeRO paper's formula, the differences named.
 * ``configs/``: three configurations modelled on published runs.

@@ -22,10 +22,10 @@ recorded as its reason (``Candidate.rule``, ``Candidate.reason``):
                                 <= ``memory_fraction`` of the GPU (ch. 06, 13, 14)
 
 The survivors get a step-time estimate, one term per mechanism, each from the
-chapter's own cost model (``helpers.memory``, ``helpers.topology``'s
-``collective_cost``, ``helpers.pipeline``'s ``bubble_formula``): compute, the
-pipeline bubble, and the communication of TP, PP, CP, EP and DP that the
-compute does not hide (``cost`` lists each term with its source).
+course's per-term cost library ``helpers.costs`` (which chapter 19's
+``estimate`` calls too; collectives timed as NCCL's ring on each group's
+nodes): compute, the pipeline bubble, and the communication of TP, PP, CP, EP
+and DP that the compute does not hide (``cost`` lists each term with its source).
 
 Ranking: by step time, except that layouts within ``tie`` (2 %) of each other
 go to the simpler structure (``Layout.complexity``: no EP before EP, no CP

@@ -1,0 +1,110 @@
+"""Bytes on the busiest GPU of a parallel layout: model state, activations, gathered layers.
+
+    bytes per parameter   bf16 mixed-precision Adam: 2 + 2 + 12 (16-bit weights and
+                          gradients, fp32 master + m + v; Rajbhandari et al. 2020,
+                          sec. 3.1, K = 12); fp32 gradients 4; fp32 training 4 + 4 + 8
+    model state           ``helpers.memory.model_state_bytes`` (ch. 06, 14) on the
+                          parameters a GPU owns: the dense ones / (tp pp), experts
+                          also / ep, ZeRO-sharded over the ranks that hold the same
+                          weights (dp x cp; for experts dp x cp / ep)
+    activations           ``helpers.memory.activation_bytes_model`` (Korthikanti et
+                          al. 2022, Table 2 and sec. 4.2.3; ch. 06, 10, 13) on the
+                          first pipeline stage, seq / cp tokens, doubled in fp32
+    gathered layers       ZeRO-3 (ch. 15): one layer all-gathered in the compute
+                          dtype, plus the next one when the gather is prefetched
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from helpers.memory import activation_bytes_model, model_state_bytes
+
+if TYPE_CHECKING:
+    from helpers.frameworks.plan import ModelSpec
+
+__all__ = ["MIXED_ADAM", "bytes_per_param", "wire_bytes", "stage_layers", "model_state",
+           "activations", "gathered_layers"]
+
+MIXED_ADAM = (2.0, 2.0, 12.0)   # weights, gradients, optimizer state: bytes per parameter
+
+
+def bytes_per_param(precision: str = "bf16", *, main_grads_fp32: bool = False,
+                    optimizer_grads_fp32: bool = False,
+                    params_fp32: bool = False) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter before sharding.
+
+    Mixed precision with Adam (Rajbhandari et al. 2020, sec. 3.1, K = 12): 16-bit
+    weights and gradients, fp32 master weights + m + v; gradients kept in fp32
+    (Megatron's main_grad) cost 4. FP8 training keeps bf16 weights and runs FP8
+    GEMMs on transient casts (chapter 13), so its state is bf16's. fp32: 4 + 4 + 8
+    (no master copy). ``optimizer_grads_fp32``: the optimizer keeps an fp32 copy
+    of its gradient shard, 4 more bytes in the sharded part (DeepSpeed's ZeRO
+    partitions, Megatron's fp16 optimizer). ``params_fp32`` (FSDP2): 4-byte
+    weights that are the master copy, so the optimizer holds only m and v.
+    """
+    if precision == "fp32":
+        return 4.0, 4.0, 8.0
+    grads = 4.0 if main_grads_fp32 else 2.0
+    if params_fp32:
+        return 4.0, grads, 8.0
+    return 2.0, grads, 12.0 + (4.0 if optimizer_grads_fp32 else 0.0)
+
+
+def wire_bytes(precision: str = "bf16") -> int:
+    """Bytes of one value the matmuls read: activations sent by TP, PP, CP and EP and
+    weights all-gathered for compute (FSDP2 gathers its fp32 weights cast to bf16)."""
+    return 4 if precision == "fp32" else 2
+
+
+def stage_layers(model: "ModelSpec", pp: int) -> int:
+    """Transformer layers on the busiest stage. When pp divides layers + 2 but not
+    layers (Llama 3 405B: 126 layers on 16 stages), the embedding and the loss
+    each take one layer's place on the first and the last stage (Dubey et al.
+    2024, sec. 3.3.2), and the other stages hold ceil(layers / pp)."""
+    return -(-model.layers // pp)
+
+
+@functools.lru_cache(maxsize=None)
+def model_state(model: "ModelSpec", model_parallel: int, shard: int, zero: int, ep: int = 1,
+                per_param: tuple = MIXED_ADAM) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per GPU: the dense parameters split
+    over ``model_parallel`` = tp x pp GPUs, ZeRO stage ``zero`` sharding them over
+    ``shard`` ranks (dp x cp: CP ranks hold the same weights, and Megatron's
+    distributed optimizer shards over both); the experts also split over ``ep``
+    and sharded over the shard / ep ranks that hold the same expert."""
+    w_b, g_b, o_b = per_param
+    dense = model.dense_params()
+    s = model_state_bytes(dense / model_parallel, dp=shard, zero_stage=zero,
+                          param_bytes=w_b, grad_bytes=g_b, optimizer_bytes=o_b)
+    w, g, o = s.params, s.grads, s.optimizer
+    experts = model.total_params() - dense
+    if experts:
+        e = model_state_bytes(experts / (model_parallel * ep), dp=max(1, shard // ep),
+                              zero_stage=zero, param_bytes=w_b, grad_bytes=g_b,
+                              optimizer_bytes=o_b)
+        w, g, o = w + e.params, g + e.grads, o + e.optimizer
+    return w, g, o
+
+
+@functools.lru_cache(maxsize=None)
+def activations(model: "ModelSpec", seq: int, micro_batch: int, tp: int, pp: int,
+                sequence_parallel: bool, recompute: str, interleave: int = 1,
+                precision: str = "bf16") -> float:
+    """Korthikanti et al. 2022's count (``activation_bytes_model``) for the first
+    stage of ``stage_layers`` x pp layers, ``seq`` tokens a rank (seq / cp), in
+    16 bits (twice that in fp32). The formula is a GPT layer (4h GeLU MLP): for a
+    SwiGLU or MoE model it is an estimate of the same order, not that model's
+    exact count (see MODEL_PRESETS in helpers.memory)."""
+    act = activation_bytes_model(seq, micro_batch, model.hidden, model.heads,
+                                 stage_layers(model, pp) * pp, tp=tp, pp=pp,
+                                 sequence_parallel=sequence_parallel, recompute=recompute,
+                                 vocab=model.vocab, interleave=interleave)
+    return act * (2 if precision == "fp32" else 1)
+
+
+def gathered_layers(model: "ModelSpec", tp: int, units: int, precision: str = "bf16") -> float:
+    """ZeRO-3's all-gathered weights (chapter 15): ``units`` layers (1, or 2 when the
+    next one is prefetched) of 1/tp of a layer each, in the compute dtype."""
+    return units * (model.layer_params() / tp * wire_bytes(precision))
