@@ -17,6 +17,7 @@ import math
 
 import pytest
 
+from helpers.costs import collective_time, dp_cost
 from helpers.memory import training_memory
 from helpers.pipeline.partition import pipeline_step_time
 from helpers.planner import (A100_80GB, H100_80GB, TERMS, Layout, ModelSpec, evaluate,
@@ -123,14 +124,21 @@ def test_dp_term_is_nccls_ring_on_the_strided_group():
     # the same sum in another order: float64 rounding only (rel 1e-12)
     assert e.time["dp_comm"] == pytest.approx(max(0.0, ring - 2 / 3 * t_mb), rel=1e-12)
     # packed: DP 64 x TP 1 fills every node, and ZeRO-1 all-gathers the updated bf16
-    # weights after the step (not overlapped: Layout.to_plan's choice): 63 ring steps,
-    # 7 of them across nodes, all 8 NICs carrying it, busbw min(NVLink 450, 8 x 50) =
-    # 400 GB/s; the reduce-scatter hides behind the backward
+    # weights: 63 ring steps, 7 of them across nodes, all 8 NICs carrying it, busbw
+    # min(NVLink 450, 8 x 50) = 400 GB/s; overlapped with the next step's first
+    # forward (Megatron's --overlap-param-gather: Layout.to_plan's choice), so only
+    # what outlasts that forward (1/3 of the one micro-batch's compute) is exposed;
+    # the reduce-scatter hides behind the backward
     lay = Layout(64, 1, 1, zero=1, recompute="selective")
     e = evaluate(m, lay, 64, H100_80GB, topo, memory_fraction=1e9)
     nbytes = m.dense_params() * 2
     gather = 56 * topo.intra.latency + 7 * topo.inter.latency + 63 / 64 * nbytes / 400e9
-    assert e.time["dp_comm"] == pytest.approx(gather, rel=1e-12)
+    assert collective_time(topo, "all_gather", nbytes, 64) == pytest.approx(gather, rel=1e-12)
+    forward = e.time["compute"] / 3
+    assert gather < forward and e.time["dp_comm"] == 0.0  # 33 ms behind a 133 ms forward
+    # without the overlap it would all be exposed
+    assert dp_cost(m, topo, dp=64, tp=1, pp=1, zero=1, micro_batch_time=e.time["compute"],
+                   overlap_param_gather=False).exposed == pytest.approx(gather, rel=1e-12)
 
 
 def test_structures_multiply_to_the_world_without_duplicates():

@@ -37,7 +37,7 @@ from __future__ import annotations
 from helpers import costs
 from helpers.costs import flops_per_token, stage_layers
 from helpers.frameworks.plan import GPU, ModelSpec
-from helpers.planner.layouts import Layout
+from helpers.planner.layouts import Layout, overlap_flags
 from helpers.topology.links import Topology
 
 __all__ = ["BF16", "flops_per_token", "stage_layers", "memory_terms", "time_terms",
@@ -48,9 +48,13 @@ BF16 = 2  # bytes of an activation, weight or gradient on the wire
 
 def overlap(lay: Layout) -> dict:
     """What the planner assumes overlaps (``Layout.to_plan`` writes the same into a
-    ``Plan``): gradient reduction with the backward, and ZeRO-3's weight gathers
-    prefetched; ZeRO-1/2's all-gather of the updated weights runs after the step."""
-    return {"overlap_grad_reduce": True, "overlap_param_gather": lay.zero == 3}
+    ``Plan``): gradient reduction with the backward, and with any sharded
+    optimizer state the weight all-gather with the forward: ZeRO-3's gathers
+    prefetched, ZeRO-1/2's all-gather of the updated weights overlapped with the
+    next step's forward, as Megatron-Core's distributed optimizer does with
+    ``--overlap-param-gather`` (a flag that needs ``--use-distributed-optimizer``,
+    i.e. ZeRO-1) and FSDP2 with its prefetch."""
+    return {"overlap_grad_reduce": True, "overlap_param_gather": lay.zero >= 1}
 
 
 def memory_terms(model: ModelSpec, lay: Layout) -> tuple:

@@ -32,6 +32,16 @@ CHAPTER = {"compute": "01, 13", "bubble": "11-12", "tp_comm": "08-09", "pp_p2p":
 # Inputs
 # ---------------------------------------------------------------------------
 
+def overlap_flags(zero: int) -> dict:
+    """What overlaps in every layout the planner builds: gradient reduction with
+    the backward, and with any sharded optimizer state the weight all-gather
+    with the forward (ZeRO-3's gathers prefetched; ZeRO-1/2's all-gather of the
+    updated weights with the next step's forward, as Megatron-Core's distributed
+    optimizer does with ``--overlap-param-gather``, a flag that needs
+    ``--use-distributed-optimizer``, and FSDP2 with its prefetch)."""
+    return {"overlap_grad_reduce": True, "overlap_param_gather": zero >= 1}
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Layout:
     """One candidate. Rank order (Megatron-LM's): tp fastest, then cp, then dp, then pp,
@@ -80,7 +90,8 @@ class Layout:
         degrees, ZeRO stage, recompute and micro-batch carried over, gradient
         accumulation the micro-batches per replica, and sequence parallelism
         whenever there is TP, gradient reduction overlapped with the backward and
-        (ZeRO-3) weight gathers prefetched, as the planner assumes. ``choices``:
+        (ZeRO-1 to 3) the weight all-gather with the forward, as the planner
+        assumes (``overlap_flags``). ``choices``:
         other ``Plan`` fields (precision, fp32 gradients, overlap flags); by
         default the planner's bf16 mixed-precision Adam."""
         if global_batch % (self.dp * self.micro_batch):
@@ -89,8 +100,7 @@ class Layout:
         return Plan(**{"dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.interleave,
                        "cp": self.cp, "ep": self.ep, "zero_stage": self.zero,
                        "recompute": self.recompute, "sequence_parallel": self.tp > 1,
-                       "micro_batch": self.micro_batch, "overlap_grad_reduce": True,
-                       "overlap_param_gather": self.zero == 3,
+                       "micro_batch": self.micro_batch, **overlap_flags(self.zero),
                        "grad_accum": global_batch // (self.dp * self.micro_batch),
                        "global_batch": global_batch, "source": f"planner: {self.short()}",
                        **choices})
