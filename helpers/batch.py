@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.comm import world_size
 __all__ = ["global_batch_size", "accumulate_gradients", "accumulate_token_weighted", "linear_scaled_lr", "sqrt_scaled_lr",
            "warmup_lr", "scaled_lr", "grad_sq_norm", "noise_scale", "measure_noise_scale"]
 
@@ -99,7 +100,7 @@ def accumulate_token_weighted(model: nn.Module, micro_batches: Sequence,
     """
     if len(micro_batches) == 0:
         raise ValueError("need at least one micro-batch")
-    p = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    p = world_size(group)
     count = torch.tensor([float(sum(int(count_fn(b)) for b in micro_batches))])
     if p > 1:
         dist.all_reduce(count, group=group)  # 4 bytes: the global number of loss tokens

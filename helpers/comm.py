@@ -1,8 +1,9 @@
 """Collectives on flat buffers, their ring cost, and freeing a tensor's storage.
 
-Also the two small helpers every data-parallel module needs: ``world_size``
-(1 outside a process group, so the code runs as plain single-process code)
-and ``completed_future`` (what a DDP comm hook returns when its work is done).
+Also the small helpers every parallel module needs: ``world_size`` and
+``group_rank`` (1 and 0 outside a process group, so the code runs as plain
+single-process code; the one home of that rule) and ``completed_future``
+(what a DDP comm hook returns when its work is done).
 
 The sharded mechanisms (``helpers.zero``, ``helpers.fsdp``,
 ``helpers.compression``) move flat 1-D buffers with two collectives:
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["reduce_scatter", "all_gather", "ring_bytes_sent", "free_storage", "alloc_storage",
-           "is_allocated", "world_size", "completed_future"]
+           "is_allocated", "world_size", "group_rank", "completed_future"]
 
 # torch >= 2.11 renamed the flat collectives; older releases have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -42,6 +43,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def world_size(group=None) -> int:
     """Ranks in ``group``; 1 outside any process group (plain single-process code)."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    """This rank's index in ``group``; 0 outside any process group."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def completed_future(value: torch.Tensor) -> torch.futures.Future:

@@ -132,7 +132,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from helpers.clip import sharded_clip_grad_norm_
-from helpers.comm import all_gather, reduce_scatter, ring_bytes_sent
+from helpers.comm import all_gather, group_rank, reduce_scatter, ring_bytes_sent, world_size
 from helpers.overlap import record_comm, wait_comm
 from helpers.unit_gather import UnitBuffer, register_unit_hooks, start_gather
 from helpers.zero import FlatPartition
@@ -317,11 +317,10 @@ class FSDP(nn.Module):
         # the gradient's own dtype, param_dtype), shards stay in the parameters'
         # dtype: the fp32 master weights the optimizer updates.
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        on = dist.is_available() and dist.is_initialized()
         # ranks that split each unit (S), ranks that hold the same shards (R, hybrid)
-        self.shard_size = dist.get_world_size(shard_group) if on else 1
-        self.replicate_size = dist.get_world_size(replicate_group) if on and replicate_group else 1
-        self.shard_rank = dist.get_rank(shard_group) if on else 0
+        self.shard_size = world_size(shard_group)
+        self.replicate_size = world_size(replicate_group) if replicate_group else 1
+        self.shard_rank = group_rank(shard_group)
         self._comm: dict[str, float] = {}
         self._comm_last: dict[str, float] = {}
         self._gathered_now = 0
@@ -365,7 +364,7 @@ class FSDP(nn.Module):
         # Ignored parameters: the model's own full tensors, replicated as in DDP
         # (rank 0's values to start, gradients averaged after backward).
         self._ignored = nn.ParameterList(ignored)
-        if on and dist.get_world_size() > 1:
+        if world_size() > 1:
             with torch.no_grad():
                 for p in ignored:
                     dist.broadcast(p.data, src=0)
@@ -391,7 +390,7 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------ set-up
     def _make_unit(self, name, module, params) -> _Unit:
         u = _Unit(name, module, params, self.shard_size, self.shard_rank)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if world_size() > 1:
             dist.broadcast(u.full, src=0)  # same start on every rank
         c = u.bucket.chunk
         u.shard.data.copy_(u.full[u.rank * c:(u.rank + 1) * c])

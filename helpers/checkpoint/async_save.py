@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.checkpoint.store import Shard, serialize, write_checkpoint
+from helpers.comm import world_size
 
 __all__ = ["AsyncSaver", "snapshot"]
 
@@ -86,7 +87,7 @@ class AsyncSaver:
 
     def __init__(self, keep: int | None = None):
         self.keep = keep
-        on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        on = world_size() > 1
         # Gloo, whatever the training backend: the writes are CPU work anyway.
         self.group = dist.new_group(backend="gloo") if on else None
         self._thread: threading.Thread | None = None

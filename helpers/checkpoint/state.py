@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.checkpoint.store import CheckpointMismatch, Shard
+from helpers.comm import group_rank
 
 __all__ = ["rng_state", "set_rng_state", "scaler_state", "load_scaler_state", "zero_state",
            "zero_request", "load_zero_state", "zero_ranges", "fsdp_ranges", "fsdp_state",
@@ -214,7 +215,7 @@ def fsdp_ranges(fsdp, saving: bool = False):
     rank writes (first replica; ignored parameters on rank 0 only). Each
     unit's pieces are its ``FlatPartition.owned_ranges``, by name."""
     names = {id(p): n for n, p in fsdp.module.named_parameters()}
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = group_rank()
     replica = dist.get_rank(fsdp.replicate_group) if fsdp.replicate_size > 1 else 0
     out = []
     for p in fsdp.ignored_params:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from helpers.checkpoint.async_save import AsyncSaver
 from helpers.checkpoint.state import restore_training_state, resume_request, training_state
 from helpers.checkpoint.store import load_latest, save
+from helpers.comm import world_size
 from helpers.data import ShardedSampler, make_dataset
 from helpers.launch import rank_info
 from helpers.model import build_model
@@ -230,15 +231,15 @@ def _killer(crash_in_save, step: int, rank: int):
 
 def _global_mean(loss: torch.Tensor) -> float:
     t = loss.clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(t)
-        t /= dist.get_world_size()
+        t /= world_size()
     return float(t)
 
 
 def _gather_indices(idx: torch.Tensor) -> list[int]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return idx.tolist()
-    out = [torch.empty_like(idx) for _ in range(dist.get_world_size())]
+    out = [torch.empty_like(idx) for _ in range(world_size())]
     dist.all_gather(out, idx)
     return torch.cat(out).tolist()

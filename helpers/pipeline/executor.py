@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.comm import group_rank, world_size
 from helpers.model import GPT, lm_loss
 from helpers.pipeline.p2p import plan_messages, post
 from helpers.pipeline.partition import partition
@@ -255,10 +256,8 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             raise ValueError(f"rank {dist.get_rank()} is not a member of the process group "
                              f"passed as group=; call pipeline_step only on that group's "
                              f"ranks")
-    elif dist.is_initialized():
-        world, rank = dist.get_world_size(), dist.get_rank()
     else:
-        world, rank = 1, 0
+        world, rank = world_size(), group_rank()
     if world != p:
         raise ValueError(f"the schedule has {p} rank(s) but the process group has {world}")
     if len(chunks) != v:

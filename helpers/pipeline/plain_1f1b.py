@@ -46,8 +46,8 @@ import collections
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
+from helpers.comm import group_rank, world_size
 from helpers.model import lm_loss
 from helpers.pipeline.executor import StageChunk, sync_tied_grads
 from helpers.pipeline.p2p import post
@@ -60,7 +60,7 @@ def one_f_one_b_step(stage: StageChunk, x: torch.Tensor, y: torch.Tensor, num_mi
     """Forward + backward of one step on this rank, in 1F1B order; gradients accumulate
     into ``.grad``. stage: this rank's ``split_model(model, p)[rank][0]``; x, y: the
     whole batch (B, T), on every rank. Returns the mean loss on the last rank, else None."""
-    p, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    p, rank = world_size(), group_rank()
     m = num_microbatches
     _check(stage, x, m, p, rank)
     xs, ys = x.chunk(m), y.chunk(m)

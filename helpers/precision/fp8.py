@@ -32,6 +32,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from helpers.comm import world_size
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "check_fp8", "fp8_scale", "quantize", "dequantize",
            "fp8_round_trip", "update_delayed_scale", "DelayedScaling", "all_reduce_amax"]
 
@@ -150,6 +151,6 @@ def all_reduce_amax(amax: torch.Tensor, group=None) -> torch.Tensor:
     grid, and under data parallelism replicas quantize identically. One small
     all-reduce (MAX) per step for all amaxes together.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from helpers.comm import group_rank, world_size
 __all__ = ["LAYOUTS", "cp_size", "cp_rank", "check_layout", "positions", "shard_sequence",
            "gather_sequence"]
 
@@ -33,15 +34,12 @@ LAYOUTS = ("contiguous", "zigzag")
 
 def cp_size(group=None) -> int:
     """Ranks in the context-parallel group (1 without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+    return world_size(group)
 
 
 def cp_rank(group=None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
+    """This rank's index in the context-parallel group (0 without a process group)."""
+    return group_rank(group)
 
 
 def check_layout(seq: int, cp: int, layout: str) -> None:

@@ -44,6 +44,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from helpers.comm import group_rank, world_size
 __all__ = ["tp_size", "tp_rank", "f", "g", "gather_last", "split_last", "CopyToTP",
            "ReduceFromTP", "GatherFromTP", "SplitToTP", "count_collectives", "CollectiveCounter",
            "Collective", "record_collective"]
@@ -51,16 +52,12 @@ __all__ = ["tp_size", "tp_rank", "f", "g", "gather_last", "split_last", "CopyToT
 
 def tp_size(group=None) -> int:
     """Ranks in the tensor-parallel group (``None``: the default group; 1 without one)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+    return world_size(group)
 
 
 def tp_rank(group=None) -> int:
     """This rank's index inside the tensor-parallel group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
+    return group_rank(group)
 
 
 # --------------------------------------------------------------------------

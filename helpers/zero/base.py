@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.clip import sharded_clip_grad_norm_
-from helpers.comm import ring_bytes_sent
+from helpers.comm import group_rank, ring_bytes_sent, world_size
 from helpers.memory import ModelStateBytes
 from helpers.zero.adamw import adamw_update, check_betas
 from helpers.zero.partition import FlatPartition
@@ -106,9 +106,8 @@ class ZeroOptimizer:
         self.beta1, self.beta2 = betas
         self.dtype = PRECISION_DTYPES[precision]
         self.precision = precision
-        distributed = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(process_group) if distributed else 1
-        self.rank = dist.get_rank(process_group) if distributed else 0
+        self.world = world_size(process_group)
+        self.rank = group_rank(process_group)
         # Stage 0 replicates everything: a "partition" into one piece.
         self.shards = 1 if stage == 0 else self.world
         self.shard_rank = 0 if stage == 0 else self.rank  # which chunk this rank owns
