@@ -113,7 +113,7 @@ def _ring_vs_gloo():
     The subgroups also prove that peers are addressed within the group (rank 1 of
     {1, 3} is global rank 3), not as global ranks 0..p-1.
     """
-    import helpers.collectives as C
+    import helpers.collectives.ring as C  # the module that reads SEGMENT_BYTES
 
     r = rank_info().rank
     bad = _compare(None, r, 4, 1234 + r)

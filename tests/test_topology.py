@@ -221,14 +221,19 @@ def test_the_wired_rings_are_chapter_03s_with_the_wire_as_exchange_hook(monkeypa
     """No second ring: chapter 07's phases call helpers.collectives' with wire.exchange
     (the same messages on real ranks: test_collectives.test_one_ring_behind_...)."""
     import helpers.collectives as ch03
+    import helpers.collectives.ring as ch03_ring
     from helpers.topology import ring_all_gather, ring_reduce_scatter
 
     calls = []
-    for name in ("ring_reduce_scatter", "ring_all_gather"):
-        def spy(tensor, group=None, *args, _real=getattr(ch03, name), _name=name, **kwargs):
-            calls.append((_name, kwargs["exchange"].__self__, kwargs.get("segmented")))
-            return _real(tensor, group, *args, **kwargs)
-        monkeypatch.setattr(ch03, name, spy)
+    # the package's names (what chapter 07 calls) and the ring module's own (what its
+    # ring_all_reduce calls): one spy each, both around the one real ring
+    for module in (ch03, ch03_ring):
+        for name in ("ring_reduce_scatter", "ring_all_gather"):
+            def spy(tensor, group=None, *args, _real=getattr(ch03_ring, name), _name=name,
+                    **kwargs):
+                calls.append((_name, kwargs["exchange"].__self__, kwargs.get("segmented")))
+                return _real(tensor, group, *args, **kwargs)
+            monkeypatch.setattr(module, name, spy)
     w = Wire(2)
     x = torch.arange(4.0)
     assert ring_all_reduce(x, None, w) is x and torch.equal(x, torch.arange(4.0))
