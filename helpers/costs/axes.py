@@ -108,7 +108,7 @@ def cp_cost(model: "ModelSpec", topo: Topology, *, tp: int, cp: int, micro_batch
     key/value heads: kv_heads / tp, one where TP replicates them)."""
     if cp == 1:
         return NO_COST
-    kv_heads = max(1, model.kv_heads_ // tp)
+    kv_heads = max(1, model.n_kv_heads // tp)
     nbytes = 2 * micro_batch * model.seq * (model.hidden // model.heads) * kv_heads * dtype_bytes
     per_layer = (2 * collective_time(topo, "all_gather", nbytes, cp, tp)
                  + collective_time(topo, "reduce_scatter", nbytes, cp, tp))

@@ -95,9 +95,9 @@ class ModelSpec:
                 _count(f"ModelSpec.{f}", getattr(self, f))
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.heads % self.kv_heads_:
+        if self.heads % self.n_kv_heads:
             raise ValueError(f"{self.heads} query heads do not group over "
-                             f"{self.kv_heads_} key/value heads")
+                             f"{self.n_kv_heads} key/value heads")
         if self.experts and self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds the {self.experts} experts")
 
@@ -107,13 +107,14 @@ class ModelSpec:
         return self.ffn or 4 * self.hidden
 
     @property
-    def kv_heads_(self) -> int:
+    def n_kv_heads(self) -> int:
+        """Key/value heads: ``kv_heads``, or ``heads`` when not given (no grouping)."""
         return self.kv_heads or self.heads
 
     def attention_params(self) -> int:
         """Q and output projections h x h, K and V h x (h kv_heads / heads) (no biases)."""
         h = self.hidden
-        return 2 * h * h + 2 * h * (h * self.kv_heads_ // self.heads)
+        return 2 * h * h + 2 * h * (h * self.n_kv_heads // self.heads)
 
     def mlp_params(self) -> int:
         """One MLP (one expert): 2 or 3 matrices of h x ffn."""
@@ -355,8 +356,8 @@ class Plan:
         if m.heads % self.tp:
             raise ValueError(f"{m.heads} heads do not divide over tensor-parallel size "
                              f"{self.tp}")
-        if m.kv_heads_ % self.tp and self.tp % m.kv_heads_:
-            raise ValueError(f"{m.kv_heads_} key/value heads neither divide over nor "
+        if m.n_kv_heads % self.tp and self.tp % m.n_kv_heads:
+            raise ValueError(f"{m.n_kv_heads} key/value heads neither divide over nor "
                              f"replicate onto tensor-parallel size {self.tp}")
         if self.ep > 1 and not m.experts:
             raise ValueError(f"ep={self.ep} but the model has no experts")

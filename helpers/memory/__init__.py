@@ -26,15 +26,15 @@ Bytes are decimal (1 GB = 1e9 bytes), as in the papers we compare against.
 """
 
 from helpers.memory.accounting import ExplainedTerm, explain_saved_bytes
-from helpers.memory.formulas import (GB, MODEL_PRESETS, OPTIMIZER_STATE, PRECISIONS,
-                                     RECOMPUTE_MODES, ModelStateBytes, activation_bytes_model,
+from helpers.memory.formulas import (BYTES_PER_PARAM_BY_PRECISION, GB, MODEL_PRESETS,
+                                     OPTIMIZER_STATE, ModelStateBytes, activation_bytes_model,
                                      activation_bytes_per_layer, memory_over_step,
                                      model_state_bytes, training_memory)
 from helpers.memory.meter import (SavedRecord, SavedTensorCounter, count_saved_bytes,
                                   cuda_peak_bytes)
 from helpers.memory.plots import memory_widget, plot_memory_bars, plot_memory_over_step
 
-__all__ = ["ModelStateBytes", "model_state_bytes", "GB", "RECOMPUTE_MODES",
+__all__ = ["ModelStateBytes", "model_state_bytes", "GB", "BYTES_PER_PARAM_BY_PRECISION",
            "activation_bytes_per_layer", "activation_bytes_model", "training_memory",
            "MODEL_PRESETS", "SavedRecord", "SavedTensorCounter", "count_saved_bytes",
            "ExplainedTerm", "explain_saved_bytes", "cuda_peak_bytes", "plot_memory_bars",

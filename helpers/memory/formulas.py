@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GB", "ModelStateBytes", "model_state_bytes", "RECOMPUTE_MODES", "positive_int",
+from helpers.recompute import RECOMPUTE_MODES
+
+__all__ = ["GB", "ModelStateBytes", "model_state_bytes", "positive_int",
            "activation_bytes_per_layer", "activation_bytes_model", "MODEL_PRESETS",
-           "PRECISIONS", "OPTIMIZER_STATE", "training_memory", "memory_over_step"]
+           "BYTES_PER_PARAM_BY_PRECISION", "OPTIMIZER_STATE", "training_memory", "memory_over_step"]
 
 GB = 1e9  # decimal gigabyte, as in the ZeRO and Megatron papers
 
@@ -98,8 +100,6 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
 # ---------------------------------------------------------------------------
 # Activations: Korthikanti et al. 2022
 # ---------------------------------------------------------------------------
-
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def positive_int(name: str, value) -> int:
@@ -216,8 +216,9 @@ MODEL_PRESETS: dict[str, dict] = {
     "175B (GPT-3)": dict(n_params=175e9, hidden=12288, heads=96, layers=96, vocab=51200),
 }
 
-# bytes per parameter of (weights, gradients, fp32 master copy); optimizer state per param
-PRECISIONS = {"bf16 mixed": (2, 2, 4), "fp32": (4, 4, 0)}
+# precision -> bytes per parameter of (weights, gradients, fp32 master copy);
+# optimizer -> bytes of optimizer state per parameter
+BYTES_PER_PARAM_BY_PRECISION = {"bf16 mixed": (2, 2, 4), "fp32": (4, 4, 0)}
 OPTIMIZER_STATE = {"adam": 8, "sgd+momentum": 4, "sgd": 0}
 
 
@@ -232,11 +233,11 @@ def training_memory(n_params: float, *, seq: int, micro_batch: int, hidden: int,
     layers), then ZeRO shards it over dp. Activations follow
     ``activation_bytes_model`` (16-bit; fp32 training doubles them).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose from {sorted(PRECISIONS)}")
+    if precision not in BYTES_PER_PARAM_BY_PRECISION:
+        raise ValueError(f"unknown precision {precision!r}; choose from {sorted(BYTES_PER_PARAM_BY_PRECISION)}")
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATE)}")
-    w, g, master = PRECISIONS[precision]
+    w, g, master = BYTES_PER_PARAM_BY_PRECISION[precision]
     states = model_state_bytes(n_params / (tp * pp), dp=dp, zero_stage=zero_stage, param_bytes=w,
                                grad_bytes=g, optimizer_bytes=master + OPTIMIZER_STATE[optimizer])
     act = activation_bytes_model(seq, micro_batch, hidden, heads, layers, tp=tp, pp=pp,

@@ -10,8 +10,9 @@ matplotlib and ipywidgets are imported on first use only.
 
 from __future__ import annotations
 
-from helpers.memory.formulas import (GB, MODEL_PRESETS, OPTIMIZER_STATE, PRECISIONS,
-                                     RECOMPUTE_MODES, memory_over_step, training_memory)
+from helpers.memory.formulas import (BYTES_PER_PARAM_BY_PRECISION, GB, MODEL_PRESETS,
+                                     OPTIMIZER_STATE, memory_over_step, training_memory)
+from helpers.recompute import RECOMPUTE_MODES
 
 __all__ = ["plot_memory_bars", "plot_memory_over_step", "memory_widget"]
 
@@ -88,7 +89,7 @@ def memory_widget(preset: str = "70B (Llama 2)"):
     c = dict(
         model=W.Dropdown(options=list(MODEL_PRESETS), value=preset, description="model",
                          style=style),
-        precision=W.Dropdown(options=list(PRECISIONS), description="precision", style=style),
+        precision=W.Dropdown(options=list(BYTES_PER_PARAM_BY_PRECISION), description="precision", style=style),
         optimizer=W.Dropdown(options=list(OPTIMIZER_STATE), description="optimizer",
                              style=style),
         zero_stage=W.IntSlider(value=0, min=0, max=3, description="ZeRO stage", style=style),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from helpers.frameworks.plan import Plan
-from helpers.memory import RECOMPUTE_MODES
+from helpers.recompute import RECOMPUTE_MODES
 
 __all__ = ["MEMORY_TERMS", "TERMS", "CHAPTER", "Layout", "Candidate"]
 

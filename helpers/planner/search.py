@@ -17,10 +17,11 @@ import math
 from typing import Iterable
 
 from helpers.frameworks.plan import GPU, ModelSpec
-from helpers.memory import GB, RECOMPUTE_MODES
+from helpers.memory import GB
 from helpers.planner.cost import flops_per_token, memory_terms, stage_layers, time_terms
 from helpers.planner.layouts import MEMORY_TERMS, Candidate, Layout
 from helpers.planner.rank import Ranking
+from helpers.recompute import RECOMPUTE_MODES
 from helpers.topology.links import Topology
 
 __all__ = ["evaluate", "structures", "plan", "rungs", "ladder"]
@@ -40,8 +41,8 @@ def _structure_rule(model: ModelSpec, dp: int, tp: int, pp: int, cp: int, ep: in
                                    f"TP's all-reduces need the node's link)")
     if model.heads % tp:
         return "heads", f"{model.heads} heads do not divide over tensor-parallel size {tp}"
-    if model.kv_heads_ % tp:
-        return "kv-heads", (f"{model.kv_heads_} key/value heads do not divide over "
+    if model.n_kv_heads % tp:
+        return "kv-heads", (f"{model.n_kv_heads} key/value heads do not divide over "
                             f"tensor-parallel size {tp}")
     if model.layers % pp and (model.layers + 2) % pp:
         return "layers", (f"{model.layers} layers do not split over {pp} pipeline stages "
