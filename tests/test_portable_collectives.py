@@ -4,8 +4,9 @@ The list form ``dist.all_to_all(output_list, input_list)`` is refused by torch
 2.11's gloo ("Backend gloo does not support alltoall"): on a CPU-only machine,
 or a node with fewer GPUs than ranks, the sequence-parallel code and chapter
 10's Ulysses would stop there. ``dist.all_to_all_single`` exists in gloo on
-every version we support, so helpers/ must use it (helpers/sp/attention.py's
-``_exchange`` shows the one-line translation: stack the chunks, exchange dim 0).
+every version we support, so helpers/ must use it (helpers/sp/attention/ulysses.py's
+``_exchange`` shows the one-line translation: stack the chunks, exchange dim 0, with
+helpers/collectives/alltoall.py's ``all_to_all``).
 
 Checked statically (an AST scan) because the torch that runs the tests may
 well be one whose gloo still accepts the list form.
