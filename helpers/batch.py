@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.comm import world_size
+from helpers.validate import positive_int
+
 __all__ = ["global_batch_size", "accumulate_gradients", "accumulate_token_weighted", "linear_scaled_lr", "sqrt_scaled_lr",
            "warmup_lr", "scaled_lr", "grad_sq_norm", "noise_scale", "measure_noise_scale"]
 
@@ -58,8 +60,7 @@ __all__ = ["global_batch_size", "accumulate_gradients", "accumulate_token_weight
 def global_batch_size(micro_batch: int, accum_steps: int = 1, dp: int = 1) -> int:
     """micro-batch x accumulation steps x data-parallel ranks."""
     for name, v in (("micro_batch", micro_batch), ("accum_steps", accum_steps), ("dp", dp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_int(name, v)
     return micro_batch * accum_steps * dp
 
 

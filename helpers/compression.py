@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from helpers.comm import all_gather, ring_bytes_sent
 from helpers.comm import completed_future, world_size
+from helpers.validate import positive_int
 
 __all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "should_compress", "torch_powersgd_hook"]
 
@@ -184,8 +185,7 @@ class PowerSGDHook(_Counting):
     def __init__(self, rank: int = 2, error_feedback: bool = True, seed: int = 0,
                  start_iter: int = 0, asynchronous: bool = False, min_rate: float = 2.0):
         super().__init__()
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be a positive int, got {rank!r}")
+        positive_int("rank", rank)
         if not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter (plain all-reduce steps first) must be an int >= 0, "
                              f"got {start_iter!r}")

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers.validate import positive_int
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "build_model",
            "count_parameters", "init_weights", "MODEL_SIZES"]
 
@@ -49,9 +51,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+            positive_int(f"GPTConfig.{name}", getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                              f"each head needs n_embd / n_head features")

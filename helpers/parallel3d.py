@@ -110,6 +110,7 @@ from helpers.tolerance import NOISE_FACTOR, fp32_noise, max_abs
 from helpers.tp import (ColumnParallelLinear, VocabParallelEmbedding, gather_dense,
                         tensor_parallel_block, tied_lm_head, tp_plan,
                         vocab_parallel_cross_entropy)
+from helpers.validate import positive_int
 
 __all__ = ["run_capstone", "CapstoneResult", "CapstoneLayout", "build_mesh", "apply_tp",
            "sync_data_parallel", "sgd_step", "train_3d", "reference_run", "capstone_batches",
@@ -117,11 +118,6 @@ __all__ = ["run_capstone", "CapstoneResult", "CapstoneLayout", "build_mesh", "ap
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 OMIT = (None, "dp", "tp", "tied")  # what a broken run may leave out (tests, experiments)
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -145,7 +141,7 @@ class CapstoneLayout:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "batch", "seq", "micro_batches", "steps"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         cfg = self.config  # unknown size, bad n_layer: ValueError from GPTConfig
         t, p = self.tp, self.pp
         tp_plan(cfg, t)  # "4 heads do not divide over tensor-parallel size 3", MLP width

@@ -59,6 +59,7 @@ import torch
 import torch.nn as nn
 
 from helpers.model import GPT, lm_loss
+from helpers.validate import positive_int
 
 __all__ = ["Checkpoint", "checkpoint", "segment_bounds", "sqrt_segments", "apply_recompute",
            "remove_recompute", "forward_state", "RECOMPUTE_MODES", "RECOMPUTE_CHOICES"]
@@ -179,8 +180,7 @@ def checkpoint(run_fn: Callable, *args, preserve_rng_state: bool = True,
 
 def sqrt_segments(n: int) -> int:
     """Chen et al. 2016's choice of k for n blocks: memory ~ k + n/k is least at sqrt(n)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"number of blocks must be a positive int, got {n!r}")
+    positive_int("number of blocks", n)
     return max(1, round(math.sqrt(n)))
 
 

@@ -53,6 +53,7 @@ from helpers.comm import world_size
 from helpers.data import ShardedSampler, make_dataset
 from helpers.launch import rank_info
 from helpers.model import build_model
+from helpers.validate import positive_int
 
 __all__ = ["resumable_run", "OPTIMIZERS"]
 
@@ -97,9 +98,8 @@ def resumable_run(directory: str, steps: int, *, save_every: int = 2, optimizer:
     it runs in (the tests use it to show that dependency).
     """
     _check(steps, save_every, optimizer, forget, crash, fp16)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or threads < 1):
-        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    if threads is not None:
+        positive_int("threads (None: torch's default)", threads)
     with _pinned_arithmetic(threads):
         return _run(directory, steps, save_every, optimizer, dropout, forget, crash,
                     global_batch, seq_len, lr, async_save, keep, crash_in_save, extras, size,

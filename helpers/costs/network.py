@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 from helpers.topology.cost import collective_cost
 from helpers.topology.links import Topology
+from helpers.validate import positive_int
 
 __all__ = ["RING_COLLECTIVES", "COLLECTIVES", "Placement", "placement", "ring_steps",
            "inter_node_steps", "wire_factor", "sent_bytes", "nic_share", "ring_latency",
@@ -97,8 +98,7 @@ def _check(topo: Topology, size: int, stride: int) -> None:
     if not isinstance(topo, Topology):
         raise TypeError(f"expected a Topology, got {type(topo).__name__}")
     for name, v in (("size", size), ("stride", stride)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        positive_int(name, v)
     if (size - 1) * stride >= topo.world_size:
         raise ValueError(f"a group of {size} GPUs {stride} apart needs "
                          f"{(size - 1) * stride + 1} GPUs; {topo.name} has {topo.world_size}")

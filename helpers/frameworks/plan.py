@@ -40,17 +40,13 @@ from typing import Optional
 
 from helpers.recompute import RECOMPUTE_MODES
 from helpers.topology import Topology, a100_cluster, h100_cluster
+from helpers.validate import int_at_least, positive_int
 
 __all__ = ["Plan", "ModelSpec", "GPU", "Cluster", "H100_80GB", "A100_80GB", "PLAN_PRECISIONS",
            "OFFLOADS"]
 
 PLAN_PRECISIONS = ("bf16", "fp16", "fp8", "fp32")  # the number formats a Plan may train in
 OFFLOADS = ("none", "optimizer", "optimizer+params")
-
-
-def _count(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +84,11 @@ class ModelSpec:
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "vocab", "seq", "top_k"):
-            _count(f"ModelSpec.{f}", getattr(self, f))
-        _count("ModelSpec.experts", self.experts, 0)
+            positive_int(f"ModelSpec.{f}", getattr(self, f))
+        int_at_least("ModelSpec.experts", self.experts, 0)
         for f in ("ffn", "kv_heads"):
             if getattr(self, f) is not None:
-                _count(f"ModelSpec.{f}", getattr(self, f))
+                positive_int(f"ModelSpec.{f}", getattr(self, f))
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.n_kv_heads:
@@ -300,10 +296,10 @@ class Plan:
     def validate(self, world_size: int, model: ModelSpec | None = None) -> "Plan":
         """Raise ValueError naming the first rule this plan breaks; return the plan."""
         for f in ("dp", "tp", "pp", "vpp", "cp", "ep", "micro_batch", "grad_accum"):
-            _count(f, getattr(self, f))
-        _count("world_size", world_size)
+            positive_int(f, getattr(self, f))
+        positive_int("world_size", world_size)
         if self.dp_shard is not None:
-            _count("dp_shard", self.dp_shard)
+            positive_int("dp_shard", self.dp_shard)
             if self.dp % self.dp_shard:
                 raise ValueError(f"hybrid sharding replicates shards of dp_shard ranks: "
                                  f"dp_shard={self.dp_shard} does not divide dp={self.dp}")

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from helpers.memory.formulas import positive_int
+from helpers.validate import positive_int
 
 __all__ = ["ExplainedTerm", "explain_saved_bytes"]
 

@@ -46,8 +46,9 @@ from __future__ import annotations
 import dataclasses
 
 from helpers.recompute import RECOMPUTE_MODES
+from helpers.validate import positive_int
 
-__all__ = ["GB", "ModelStateBytes", "model_state_bytes", "positive_int",
+__all__ = ["GB", "ModelStateBytes", "model_state_bytes",
            "activation_bytes_per_layer", "activation_bytes_model", "MODEL_PRESETS",
            "BYTES_PER_PARAM_BY_PRECISION", "OPTIMIZER_STATE", "training_memory", "memory_over_step"]
 
@@ -81,8 +82,7 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
     """
     if n_params < 0:
         raise ValueError(f"n_params must be >= 0, got {n_params}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp (data-parallel ranks) must be a positive int, got {dp!r}")
+    positive_int("dp (data-parallel ranks)", dp)
     # bool is an int in Python (True == 1): refuse it rather than read True as stage 1
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) \
             or zero_stage not in (0, 1, 2, 3):
@@ -100,12 +100,6 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
 # ---------------------------------------------------------------------------
 # Activations: Korthikanti et al. 2022
 # ---------------------------------------------------------------------------
-
-
-def positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
@@ -268,8 +262,7 @@ def memory_over_step(budget: dict[str, float], layers: int) -> list[tuple[str, d
     fragmentation, and ZeRO-2/3's full-size gradient buckets before their
     reduce-scatter; ``torch.cuda.max_memory_allocated`` sees those too.
     """
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"layers must be a positive int, got {layers!r}")
+    positive_int("layers", layers)
     w, g, o, a = (float(budget[k]) for k in ("weights", "grads", "optimizer", "activations"))
     points = [("start", {"weights": w, "grads": 0.0, "optimizer": o, "activations": 0.0})]
     for i in range(1, layers + 1):

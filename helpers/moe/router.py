@@ -1,9 +1,8 @@
 """The router of a mixture-of-experts layer: top-k gating, capacity, balance losses.
 
-Follows Shazeer et al. 2017; Switch Transformer (Fedus et al. 2021, k = 1);
-GShard (Lepikhin et al. 2020) and Mixtral (Jiang et al. 2024), k = 2, for the
-gates and the capacity; Switch eq. 4 and ST-MoE (Zoph et al. 2022) eq. 5 for
-the two auxiliary losses. ``helpers.moe.layer`` runs the experts it picks.
+Follows Switch Transformer, GShard and Mixtral for the gates and the capacity,
+Switch and ST-MoE for the two auxiliary losses, each cited below where its
+rule is used. ``helpers.moe.layer`` runs the experts the router picks.
 
 A mixture-of-experts (MoE) layer replaces one MLP by ``E`` MLPs ("experts")
 and a *router*: a linear layer that scores each token against every expert.

@@ -86,6 +86,7 @@ from helpers.pipeline.partition import partition
 from helpers.pipeline.schedules import Action, schedule_shape
 from helpers.pipeline.simulate import validate_schedule
 from helpers.pipeline.stash import StashMeter
+from helpers.validate import positive_int
 
 __all__ = ["StageChunk", "split_model", "pipeline_step", "StepResult", "sync_tied_grads",
            "reference_grads", "chunk_grads"]
@@ -144,8 +145,7 @@ def split_model(model: GPT, num_stages: int, num_chunks: int = 1,
     each rank, its chunks in chunk order. The split balances ``layer_costs``
     (default: equal cost per block). Raises ValueError before anything runs if
     the model has fewer blocks than virtual stages."""
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    positive_int("num_chunks", num_chunks)
     S = num_stages * num_chunks
     n = len(model.blocks)
     if n < S:

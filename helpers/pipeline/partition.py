@@ -55,6 +55,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from helpers.validate import positive_int
+
 __all__ = ["partition", "stage_costs", "pipeline_step_time", "stash_memory"]
 
 
@@ -68,8 +70,7 @@ def partition(layer_costs: int | Sequence[float], num_stages: int, *,
 
     With ``layer_memory`` and ``memory_limit``, stage s may hold only layers
     whose 1F1B stash, (num_stages - s) * sum(layer_memory), fits the limit."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    positive_int("num_stages", num_stages)
     if isinstance(layer_costs, bool):
         raise ValueError("layer_costs must be a number of layers or a list of costs")
     costs = [1.0] * layer_costs if isinstance(layer_costs, int) else [float(c) for c in layer_costs]
@@ -132,9 +133,7 @@ def pipeline_step_time(stage_times: Sequence[float], num_microbatches: int) -> f
     backward of one micro-batch, no communication): (m - 1) max t + sum t. The fill
     and drain pass every stage once; the other m - 1 micro-batches go at the
     slowest stage's pace (see the module docstring)."""
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
-            or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    positive_int("num_microbatches", num_microbatches)
     t = [float(x) for x in stage_times]
     return (num_microbatches - 1) * max(t) + sum(t)
 

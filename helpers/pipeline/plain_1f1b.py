@@ -51,6 +51,7 @@ from helpers.comm import group_rank, world_size
 from helpers.model import lm_loss
 from helpers.pipeline.executor import StageChunk, sync_tied_grads
 from helpers.pipeline.p2p import post
+from helpers.validate import positive_int
 
 __all__ = ["one_f_one_b_step"]
 
@@ -119,8 +120,7 @@ def _check(stage, x: torch.Tensor, m, p: int, rank: int) -> None:
     if not isinstance(stage, StageChunk):
         raise ValueError(f"stage must be this rank's StageChunk (split_model(model, p)[rank][0]), "
                          f"got {type(stage).__name__}")
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
+    positive_int("num_microbatches", m)
     if x.size(0) % m:
         raise ValueError(f"batch size {x.size(0)} is not divisible by {m} micro-batches")
     if (stage.first, stage.last) != (rank == 0, rank == p - 1):

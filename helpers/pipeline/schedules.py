@@ -70,6 +70,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+from helpers.validate import positive_int
+
 __all__ = ["Action", "F", "B", "W", "gpipe", "one_f_one_b", "zb_h1", "interleaved_1f1b",
            "microbatch_rounds",
            "normalize", "schedule_shape", "format_schedule"]
@@ -103,8 +105,7 @@ def W(j: int, chunk: int = 0) -> Action:
 
 def _check_counts(num_stages: int, num_microbatches: int) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(name, value)
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
@@ -178,8 +179,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int,
     alternates, then drains. Any m >= 1 works (see the module docstring).
     """
     _check_counts(num_stages, num_microbatches)
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    positive_int("num_chunks", num_chunks)
     p, m, v = num_stages, num_microbatches, num_chunks
     if v == 1:
         return one_f_one_b(p, m)

@@ -17,6 +17,7 @@ import dataclasses
 
 from helpers.frameworks.plan import Plan
 from helpers.recompute import RECOMPUTE_MODES
+from helpers.validate import positive_int
 
 __all__ = ["MEMORY_TERMS", "TERMS", "CHAPTER", "Layout", "Candidate"]
 
@@ -60,9 +61,7 @@ class Layout:
 
     def __post_init__(self):
         for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "interleave"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Layout.{f} must be a positive int, got {v!r}")
+            positive_int(f"Layout.{f}", getattr(self, f))
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Layout.zero must be the ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         if self.recompute not in RECOMPUTE_MODES:

@@ -23,6 +23,7 @@ from helpers.planner.layouts import MEMORY_TERMS, Candidate, Layout
 from helpers.planner.rank import Ranking
 from helpers.recompute import RECOMPUTE_MODES
 from helpers.topology.links import Topology
+from helpers.validate import is_int, positive_int
 
 __all__ = ["evaluate", "structures", "plan", "rungs", "ladder"]
 
@@ -148,8 +149,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
     resolve differences of a percent or two, so within that the smaller
     structure wins. A structure that breaks a shape rule is rejected once, with
     its first variant's choices; variants are rejected one by one."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch must be a positive int (sequences), got {global_batch!r}")
+    positive_int("global_batch (sequences)", global_batch)
     for name, v in (("mfu", mfu), ("memory_fraction", memory_fraction)):
         if not 0 < v <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {v!r}")
@@ -164,8 +164,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
         if isinstance(z, bool) or z not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {z!r}")
     for name, values in (("micro-batch sizes", micro_batches), ("interleaves", interleaves)):
-        if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
-                             for x in values):
+        if not values or any(not is_int(x) or x < 1 for x in values):
             raise ValueError(f"{name} must be positive ints, got {values!r}")
     ranked, rejected = [], []
     for st in structures(model, topology, tp_sizes=tp_sizes, pp_sizes=pp_sizes,

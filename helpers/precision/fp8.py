@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from helpers.comm import world_size
+from helpers.validate import positive_int
+
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "check_fp8", "fp8_scale", "quantize", "dequantize",
            "fp8_round_trip", "update_delayed_scale", "DelayedScaling", "all_reduce_amax"]
 
@@ -109,9 +111,7 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         check_fp8(self.dtype)
-        if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) \
-                or self.history_len < 1:
-            raise ValueError(f"history_len must be a positive int, got {self.history_len!r}")
+        positive_int("history_len", self.history_len)
         if self.algo not in ("max", "most_recent"):
             raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}")
         self.amax_history = torch.zeros(self.history_len)

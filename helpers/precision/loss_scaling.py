@@ -23,6 +23,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from helpers.validate import positive_int
+
 __all__ = ["DynamicLossScaler", "train_fp16"]
 
 
@@ -51,9 +53,7 @@ class DynamicLossScaler:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0 < backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        positive_int("growth_interval", growth_interval)
         self.scale_value = _f32(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval

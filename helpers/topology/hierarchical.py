@@ -51,6 +51,7 @@ import torch.distributed as dist
 from helpers import collectives  # chapter 03's ring, with its exchange hook
 from helpers.collectives import check_summable, flat_view, post_pair
 from helpers.topology.links import Link, Topology
+from helpers.validate import positive_int
 
 __all__ = ["Wire", "NodeGroups", "check_grid", "grid_layout", "node_groups", "mesh_groups",
            "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
@@ -132,9 +133,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, wire: Wire | None = None):
 
 def check_grid(world_size: int, gpus_per_node: int) -> int:
     """Number of nodes; a ValueError naming the constraint if the ranks don't fill them."""
-    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) \
-            or gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+    positive_int("gpus_per_node", gpus_per_node)
     if world_size % gpus_per_node:
         raise ValueError(f"{world_size} ranks do not fill nodes of {gpus_per_node} GPUs: the "
                          f"world size must be a multiple of gpus_per_node")

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from helpers.memory import GB  # decimal, 1e9: "GB/s" on datasheets too
+from helpers.validate import is_int
 
 __all__ = ["Link", "Topology", "NVLINK4_H100", "NVLINK3_A100", "PCIE4_X16", "PCIE5_X16",
            "IB_HDR", "IB_NDR", "ETH_100G", "LINKS", "h100_cluster", "a100_cluster",
@@ -79,10 +80,6 @@ ETH_100G = Link("Ethernet 100 Gb/s", 12.5 * GB, 9.6 * US,
 LINKS = [NVLINK4_H100, NVLINK3_A100, PCIE5_X16, PCIE4_X16, IB_NDR, IB_HDR, ETH_100G]
 
 
-def _is_count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 @dataclass(frozen=True)
 class Topology:
     """A cluster: ``nodes`` x ``gpus_per_node`` GPUs, one link type inside, one between.
@@ -103,7 +100,7 @@ class Topology:
     def __post_init__(self):
         for field in ("nodes", "gpus_per_node", "nics_per_node"):
             v = getattr(self, field)
-            if not _is_count(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"topology {self.name!r}: {field} must be an int >= 1, got {v!r}")
         for field in ("intra", "inter"):
             if not isinstance(getattr(self, field), Link):
@@ -115,7 +112,7 @@ class Topology:
 
     def node_of(self, gpu: int) -> int:
         """Node index of global GPU id ``gpu`` (GPUs are numbered node by node)."""
-        if not _is_count(gpu) or not 0 <= gpu < self.world_size:
+        if not is_int(gpu) or not 0 <= gpu < self.world_size:
             raise ValueError(f"GPU id {gpu!r} is not in 0..{self.world_size - 1} "
                              f"({self.nodes} nodes x {self.gpus_per_node} GPUs)")
         return gpu // self.gpus_per_node

@@ -44,6 +44,7 @@ from helpers.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabPar
                                padded_vocab_size, shard, unshard)
 from helpers.tp.loss import vocab_parallel_cross_entropy
 from helpers.tp.operators import tp_size
+from helpers.validate import positive_int
 
 __all__ = ["TPPlan", "tp_plan", "ParallelSelfAttention", "tensor_parallel_block", "torch_tp_block",
            "TensorParallelGPT", "tensor_parallel_gpt", "tied_lm_head", "gather_dense",
@@ -66,8 +67,7 @@ def tp_plan(cfg: GPTConfig, t: int, vocab_divisible_by: int = 1) -> TPPlan:
 
     Pure: call it before launching ranks.
     """
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tensor-parallel size must be a positive int, got {t!r}")
+    positive_int("tensor-parallel size", t)
     if cfg.n_head % t:
         raise ValueError(f"{cfg.n_head} heads do not divide over tensor-parallel size {t}")
     if cfg.n_embd % t:  # implied by the heads (n_embd = n_head * head_dim), kept for clarity
