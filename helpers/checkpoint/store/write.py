@@ -1,0 +1,138 @@
+"""The atomic save: every rank's file durable first, the manifest last, then one rename.
+
+Follows POSIX: fsync(2) makes a file's data durable, then its directory
+entry; rename(2) within one file system is atomic (write, fsync, rename).
+The files and the manifest are ``helpers.checkpoint.store.format``'s.
+
+A save is a collective. Every rank serializes its state, rank 0 makes
+``step00000012.partial/``, each rank writes, flushes and fsyncs its file,
+rank 0 gathers the checksums, writes the manifest (fsynced), and only then
+renames the directory to ``step00000012``. A rename within one file system is
+atomic (POSIX rename(2)), so a reader sees either no checkpoint or a complete
+one; a job killed half-way leaves a ``.partial`` directory that the loader
+skips, saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Callable
+
+import torch
+
+from helpers.checkpoint.store.agree import gather_all, raise_if_any, rank_and_world
+from helpers.checkpoint.store.format import FORMAT, checkpoint_dir, list_checkpoints, serialize
+
+__all__ = ["save", "write_checkpoint"]
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()             # Python's buffer -> the OS
+        os.fsync(f.fileno())  # the OS's page cache -> the disk
+
+
+def _fsync_dir(path: str) -> None:
+    """A rename or a new file is durable only once its directory entry is."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(directory: str, step: int, data: bytes, layout: dict, group=None,
+                     on_written: Callable[[str], None] | None = None,
+                     keep: int | None = None) -> str:
+    """The collective part of a save, given this rank's serialized bytes.
+
+    Shared by the blocking ``save`` and the background thread of ``AsyncSaver``.
+    """
+    rank, world = rank_and_world(group)
+    final = checkpoint_dir(directory, step)
+    tmp = final + ".partial"
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an earlier crash
+            os.makedirs(tmp)
+        except OSError as exc:
+            err = f"cannot create {tmp}: {exc}"
+    raise_if_any(gather_all(err, group), "checkpoint save (making the directory)")
+
+    name = f"rank{rank}.pt"
+    path = os.path.join(tmp, name)
+    _write_durably(path, data)
+    digest = hashlib.sha256(data).hexdigest()
+    if on_written is not None:
+        on_written(path)  # the chapter kills a rank here to show a crash mid-save
+    metas = gather_all({"file": name, "bytes": len(data), "sha256": digest, **layout}, group)
+
+    err = None
+    if rank == 0:
+        try:
+            manifest = _manifest(step, metas)
+            _write_durably(os.path.join(tmp, "manifest.json"),
+                           json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # saving a step again (after a resume): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)  # the commit point
+            _fsync_dir(directory)
+            if keep is not None:
+                for old_step, old, partial in list_checkpoints(directory)[keep:]:
+                    if not partial:
+                        shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            err = f"writing the manifest or renaming {tmp}: {exc}"
+    raise_if_any(gather_all(err, group), "checkpoint save (commit)")
+    return final
+
+
+def _manifest(step: int, metas: list[dict]) -> dict:
+    shards: dict[str, dict] = {}
+    for m in metas:
+        for key, s in m["shards"].items():
+            entry = shards.setdefault(key, {"global_shape": s["global_shape"], "dtype": s["dtype"],
+                                            "pieces": []})
+            if entry["global_shape"] != s["global_shape"]:
+                raise ValueError(f"shard {key}: ranks disagree on its global shape "
+                                 f"({entry['global_shape']} vs {s['global_shape']})")
+            entry["pieces"].append({"file": m["file"], "offset": s["offset"], "numel": s["numel"]})
+    return {
+        "format": FORMAT, "step": step, "world_size": len(metas),
+        "torch": torch.__version__,
+        "files": {m["file"]: {"bytes": m["bytes"], "sha256": m["sha256"],
+                              "tensors": m["tensors"]} for m in metas},
+        "shards": shards,
+    }
+
+
+def save(directory: str, state: dict, step: int, group=None, keep: int | None = None,
+         on_written: Callable[[str], None] | None = None) -> str:
+    """Save this rank's ``state`` as part of checkpoint ``step``. Call on every rank.
+
+    ``state``: a dict of tensors, ``Shard``s, numbers, strings and lists/dicts of
+    them. ``keep``: how many complete checkpoints to keep (None: all).
+    ``on_written(path)`` runs on each rank once its file is durable, before the
+    manifest (a place to inject a crash). Returns the checkpoint's directory.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
+    err, data, layout = None, b"", {}
+    try:
+        data, layout = serialize(state)
+    except (TypeError, ValueError) as exc:
+        err = str(exc)
+    # Agree before any file exists: one rank with a bad state must not leave
+    # the others waiting in a collective.
+    raise_if_any(gather_all(err, group), "checkpoint save")
+    return write_checkpoint(directory, step, data, layout, group, on_written, keep)
+
