@@ -133,6 +133,7 @@ from torch.utils._pytree import tree_map
 
 from helpers.clip import sharded_clip_grad_norm_
 from helpers.comm import all_gather, group_rank, reduce_scatter, ring_bytes_sent, world_size
+from helpers.mesh import axis_groups
 from helpers.overlap import record_comm, wait_comm
 from helpers.unit_gather import UnitBuffer, register_unit_hooks, start_gather
 from helpers.zero import FlatPartition
@@ -164,8 +165,8 @@ def hybrid_grid(world_size: int, shard_size: int) -> list[list[int]]:
     """
     if shard_size < 1 or world_size % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
-    grid = torch.arange(world_size).view(world_size // shard_size, shard_size)
-    return grid.tolist()
+    sizes = {"replicate": world_size // shard_size, "shard": shard_size}
+    return axis_groups("shard", ("replicate", "shard"), sizes)
 
 
 def hybrid_groups(shard_size: int):

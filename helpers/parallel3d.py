@@ -103,6 +103,7 @@ import torch.nn.functional as F
 from helpers.data import make_dataset
 from helpers.ddp import allreduce_hook
 from helpers.launch import launch, rank_info
+from helpers.mesh import rank_coords
 from helpers.model import GPTConfig, build_model
 from helpers.pipeline.executor import StageChunk, pipeline_step, split_model
 from helpers.pipeline.schedules import gpipe, one_f_one_b
@@ -182,18 +183,12 @@ class CapstoneLayout:
 
 def rank_table(layout: CapstoneLayout) -> list[dict[str, int]]:
     """Each global rank's coordinate on every axis, as ``init_device_mesh`` lays
-    them out: the mesh is ``arange(world).view(shape)`` (last name fastest).
-    A pure function, so the layout can be printed without starting ranks."""
+    them out: the mesh is ``arange(world).view(shape)`` (last name fastest;
+    ``helpers.mesh.rank_coords``, the course's one rank-order rule). A pure
+    function, so the layout can be printed without starting ranks."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
-    names = layout.mesh_dims
-    rows = []
-    for rank in range(layout.world_size):
-        coord, rest = {}, rank
-        for name in reversed(names):
-            coord[name] = rest % sizes[name]
-            rest //= sizes[name]
-        rows.append({"rank": rank, **{n: coord[n] for n in ("dp", "tp", "pp")}})
-    return rows
+    return [{"rank": rank, **{n: c[n] for n in ("dp", "tp", "pp")}}
+            for rank, c in enumerate(rank_coords(layout.mesh_dims, sizes))]
 
 
 def capstone_batches(layout: CapstoneLayout,

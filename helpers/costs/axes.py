@@ -4,8 +4,9 @@ Every function returns an ``AxisCost``: bytes each GPU sends per step, seconds
 of the axis's collectives per step, and the seconds of those that the compute
 does not hide (the step-time term). Groups follow Megatron-LM's rank order
 (tp fastest, then cp, then dp, then pp: ``RankGenerator`` in
-megatron/core/parallel_state.py): a TP group is tp consecutive GPUs, the
-DP x CP group is strided by tp, a pipeline boundary lies tp cp dp GPUs away.
+megatron/core/parallel_state.py; ``helpers.mesh.megatron_stride`` computes
+every stride below): a TP group is tp consecutive GPUs, the DP x CP group is
+strided by tp, a pipeline boundary lies tp cp dp GPUs away.
 Each collective is timed by ``network`` (NCCL's ring on the group's
 placement), so a strided group that spreads one GPU per node pays for it.
 
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from helpers.costs.network import collective_time, p2p_time, sent_bytes
+from helpers.mesh import megatron_stride
 from helpers.topology.links import Topology
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ def tp_cost(topo: Topology, *, tp: int, tokens: int, hidden: int, layers: int,
         return NO_COST
     count = (6 if recompute == "full" else 4) * layers * micro_batches
     nbytes = tokens * hidden * dtype_bytes
-    t = count * collective_time(topo, "all_reduce", nbytes, tp, 1)
+    t = count * collective_time(topo, "all_reduce", nbytes, tp, megatron_stride("tp", tp=tp))
     return AxisCost(count * sent_bytes("all_reduce", nbytes, tp), t, t)
 
 
@@ -94,7 +96,7 @@ def pp_cost(topo: Topology, *, tp: int, cp: int, dp: int, pp: int, interleave: i
     if pp == 1:
         return NO_COST
     nbytes = tokens * hidden * dtype_bytes / (tp if sequence_parallel else 1)
-    stride = tp * cp * dp
+    stride = megatron_stride("pp", tp=tp, cp=cp, dp=dp, pp=pp)  # tp cp dp
     hop = p2p_time(topo, nbytes, crosses_node=stride * pp > topo.gpus_per_node,
                    senders_per_node=stride)
     count = 2 * micro_batches * interleave
@@ -110,8 +112,9 @@ def cp_cost(model: "ModelSpec", topo: Topology, *, tp: int, cp: int, micro_batch
         return NO_COST
     kv_heads = max(1, model.n_kv_heads // tp)
     nbytes = 2 * micro_batch * model.seq * (model.hidden // model.heads) * kv_heads * dtype_bytes
-    per_layer = (2 * collective_time(topo, "all_gather", nbytes, cp, tp)
-                 + collective_time(topo, "reduce_scatter", nbytes, cp, tp))
+    stride = megatron_stride("cp", tp=tp, cp=cp)  # tp
+    per_layer = (2 * collective_time(topo, "all_gather", nbytes, cp, stride)
+                 + collective_time(topo, "reduce_scatter", nbytes, cp, stride))
     count = layers * micro_batches
     sent = 3 * sent_bytes("all_gather", nbytes, cp)
     return AxisCost(count * sent, count * per_layer, count * per_layer)
@@ -128,7 +131,8 @@ def ep_cost(model: "ModelSpec", topo: Topology, *, tp: int, ep: int, tokens: int
     nbytes = (tokens * model.top_k * model.hidden * dtype_bytes
               / (tp if sequence_parallel else 1))
     count = 4 * layers * micro_batches
-    t = count * collective_time(topo, "all_to_all", nbytes, ep, tp)
+    stride = megatron_stride("cp", tp=tp)  # the dp x cp group's fastest axis: tp apart
+    t = count * collective_time(topo, "all_to_all", nbytes, ep, stride)
     return AxisCost(count * sent_bytes("all_to_all", nbytes, ep), t, t)
 
 
@@ -146,12 +150,13 @@ def dp_ops(model: "ModelSpec", *, dp: int, tp: int, pp: int, cp: int = 1, ep: in
     group = dp * cp
     shard = group if shard is None else shard
     dense = model.dense_params()
-    sets = [(dense / (tp * pp), shard, tp, group // shard, tp * shard)]
+    inner = megatron_stride("cp", tp=tp, cp=cp)  # the dp x cp group's ranks are tp apart
+    sets = [(dense / (tp * pp), shard, inner, group // shard, inner * shard)]
     experts = model.total_params() - dense
     if experts:
         e_shard = max(1, shard // ep)
-        sets.append((experts / (tp * pp * ep), e_shard, tp * ep, group // ep // e_shard,
-                     tp * ep * e_shard))
+        sets.append((experts / (tp * pp * ep), e_shard, inner * ep, group // ep // e_shard,
+                     inner * ep * e_shard))
     ops = []
     per_micro = micro_batches if zero == 3 else 1
     for params, size, stride, replicas, r_stride in sets:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from helpers import collectives  # chapter 03's ring, with its exchange hook
 from helpers.collectives import check_summable, flat_view, post_pair
+from helpers.mesh import axis_groups
 from helpers.topology.links import Link, Topology
 from helpers.validate import positive_int
 
@@ -146,9 +147,9 @@ def grid_layout(world_size: int, gpus_per_node: int) -> tuple[list, list]:
     >>> grid_layout(6, 3)
     ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
     """
-    nodes = check_grid(world_size, gpus_per_node)
-    grid = torch.arange(world_size).view(nodes, gpus_per_node)  # (nodes, g)
-    return grid.tolist(), grid.t().tolist()
+    dims, sizes = ("node", "local"), {"node": check_grid(world_size, gpus_per_node),
+                                      "local": gpus_per_node}  # local index fastest
+    return axis_groups("local", dims, sizes), axis_groups("node", dims, sizes)
 
 
 @dataclass
