@@ -39,7 +39,7 @@ import dataclasses
 from typing import Optional
 
 from helpers.recompute import RECOMPUTE_MODES
-from helpers.topology import Topology, a100_cluster, h100_cluster
+from helpers.topology import A100_80GB, GPU, H100_80GB, Topology, a100_cluster, h100_cluster
 from helpers.validate import int_at_least, positive_int
 
 __all__ = ["Plan", "ModelSpec", "GPU", "Cluster", "H100_80GB", "A100_80GB", "PLAN_PRECISIONS",
@@ -150,24 +150,7 @@ class ModelSpec:
         return self.layers * per_layer + 2 * h * self.vocab
 
 
-@dataclasses.dataclass(frozen=True)
-class GPU:
-    """One accelerator: its memory in bytes (decimal: 80e9 for an "80 GB" part) and
-    its dense 16-bit Tensor Core peak FLOP/s. ``Cluster`` puts many of them on a
-    chapter-07 ``Topology``; the planner (chapter 20) takes one directly."""
-
-    name: str
-    memory: float
-    peak_flops: float
-
-    def __post_init__(self):
-        if not self.memory > 0 or not self.peak_flops > 0:
-            raise ValueError(f"GPU {self.name!r}: memory and peak_flops must be positive")
-
-
-# NVIDIA H100 SXM and A100 SXM datasheets: 80 GB HBM; dense BF16 989 and 312 TFLOP/s.
-H100_80GB = GPU("H100 SXM 80GB", 80e9, 989e12)
-A100_80GB = GPU("A100 SXM 80GB", 80e9, 312e12)
+# GPU, H100_80GB, A100_80GB: chapter 07's hardware table (helpers.topology.gpus), re-exported.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ NIC.
 
 This package
 ------------
+* ``gpus``: ``GPU`` (memory, dense 16-bit peak FLOP/s) and its presets
+  ``H100_80GB``, ``A100_80GB``: the course's one table of GPU peaks.
 * ``links``: ``Link`` and the validated ``Topology`` dataclass, presets with
   cited figures (H100 / A100 nodes, PCIe boxes, InfiniBand HDR / NDR, Ethernet).
 * ``cost``: the models: ``collective_cost(topology, collective, nbytes, ranks,
@@ -41,6 +43,7 @@ NCCL_DEBUG=INFO prints the rings and trees it built.
 
 from helpers.topology.cost import (ALGORITHMS, COLLECTIVES, Cost, all_reduce_time,
                                    collective_cost, layout, packed_ranks, spread_ranks)
+from helpers.topology.gpus import A100_80GB, GPUS, GPU, H100_80GB
 from helpers.topology.hierarchical import (NodeGroups, Wire, check_grid, emulated_topology,
                                            grid_layout, hierarchical_all_reduce, mesh_groups,
                                            node_groups, ring_all_gather, ring_all_reduce,
@@ -52,7 +55,7 @@ from helpers.topology.links import (ETH_100G, IB_HDR, IB_NDR, LINKS, NVLINK3_A10
 from helpers.topology.nvidia_smi import (SAMPLES, parse_topo_matrix, read_live,
                                          topology_from_nvidia_smi)
 
-__all__ = ["Link", "Topology", "LINKS", "NVLINK4_H100", "NVLINK3_A100", "PCIE4_X16", "PCIE5_X16",
+__all__ = ["GPU", "GPUS", "H100_80GB", "A100_80GB", "Link", "Topology", "LINKS", "NVLINK4_H100", "NVLINK3_A100", "PCIE4_X16", "PCIE5_X16",
            "IB_HDR", "IB_NDR", "ETH_100G", "PRESETS", "preset", "h100_cluster", "a100_cluster",
            "pcie_cluster", "Cost", "collective_cost", "all_reduce_time", "layout",
            "packed_ranks", "spread_ranks", "ALGORITHMS", "COLLECTIVES", "Wire", "NodeGroups",

@@ -35,12 +35,12 @@ the network). At these message sizes the bandwidth term dominates, which
 from __future__ import annotations
 
 from helpers.collectives import ring_all_reduce_time
-from helpers.topology import IB_NDR, NVLINK4_H100, Link
+from helpers.topology import H100_80GB, IB_NDR, NVLINK4_H100, Link
 
 __all__ = ["Link", "LINKS", "tp_link", "tp_layer_comm_time", "tp_layer_compute_time",
            "tp_efficiency", "H100_BF16_FLOPS"]
 
-H100_BF16_FLOPS = 989e12  # dense BF16 Tensor Core peak, H100 SXM (NVIDIA datasheet)
+H100_BF16_FLOPS = H100_80GB.peak_flops  # dense BF16 peak, from helpers.topology's GPU table
 
 
 # The slowest hop of a TP ring inside an H100 node, and once it leaves the node.
