@@ -39,6 +39,11 @@ __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "build_mod
 
 @dataclasses.dataclass
 class GPTConfig:
+    """The course's GPT as an ``nn.Module`` config: what ``GPT(cfg)`` builds and
+    trains on real ranks. The paper-scale shape that chapters 19-20
+    count without building is ``helpers.frameworks.ModelSpec``; the one
+    conversion is ``ModelSpec.from_gpt_config(cfg)``."""
+
     vocab_size: int = 64
     block_size: int = 32       # longest sequence the position embedding covers
     n_layer: int = 2

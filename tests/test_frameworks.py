@@ -307,3 +307,19 @@ def test_deepspeed_accepts_both_bf16_spellings():
     for key in ("bf16", "bfloat16"):
         plan = from_deepspeed({"train_micro_batch_size_per_gpu": 1, key: {"enabled": True}}, 2)
         assert plan.precision == "bf16" and not plan.unmapped
+
+
+@pytest.mark.parametrize("size", ["toy", "tiny", "small"])
+def test_modelspec_from_gpt_config_counts_the_course_gpt(size):
+    """The one conversion: the course's GPT (no biases) has ModelSpec's weights
+    plus its learned position embedding, which the paper formulas leave out."""
+    from helpers.frameworks import ModelSpec
+    from helpers.model import GPTConfig, build_model, count_parameters
+
+    cfg = GPTConfig.from_name(size, bias=False)
+    spec = ModelSpec.from_gpt_config(cfg)
+    assert (spec.layers, spec.hidden, spec.heads, spec.vocab, spec.seq) == (
+        cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.block_size)
+    assert spec.total_params() == cfg.n_params() - cfg.block_size * cfg.n_embd
+    if size == "toy":
+        assert count_parameters(build_model(cfg)) == cfg.n_params()

@@ -57,6 +57,14 @@ class ModelSpec:
     layout planner (``helpers.planner``, chapter 20) both read it, so both
     count the same parameters and the same FLOPs.
 
+    Not the course's ``helpers.model.GPTConfig``: that one builds an
+    ``nn.Module`` that runs on the laptop (biases, learned positions, dropout,
+    the attention kernel); this one is a paper-scale shape that is only
+    counted, never built (grouped-query attention, SwiGLU, experts). The one
+    conversion is ``ModelSpec.from_gpt_config``. ``helpers.memory``'s
+    ``MODEL_PRESETS`` are the keyword arguments of ``training_memory`` for
+    chapter 06's calculator, a third view that sits below this module.
+
     ``ffn``: MLP width (default 4 * hidden, GPT); ``gated_mlp``: three MLP
     matrices (SwiGLU, Llama) instead of two. ``kv_heads``: grouped-query
     attention's key/value heads (default ``heads``). ``tied_embeddings``: one
@@ -96,6 +104,18 @@ class ModelSpec:
                              f"{self.n_kv_heads} key/value heads")
         if self.experts and self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} exceeds the {self.experts} experts")
+
+    @classmethod
+    def from_gpt_config(cls, cfg, seq: Optional[int] = None, name: str = "") -> "ModelSpec":
+        """The shape of the course's GPT (``helpers.model.GPTConfig``): a GeLU MLP of
+        ``mlp_ratio * n_embd``, the head tied to the token embedding, ``seq``
+        tokens per sequence (default ``block_size``). The shape counts weights
+        only: ``total_params()`` is ``GPTConfig(bias=False).n_params()`` less the
+        learned position embedding (``block_size * n_embd``), which the formulas
+        of chapters 19-20 leave out as the papers do."""
+        return cls(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size,
+                   seq=cfg.block_size if seq is None else seq, ffn=cfg.mlp_ratio * cfg.n_embd,
+                   tied_embeddings=True, name=name)
 
     @property
     def ffn_hidden(self) -> int:
