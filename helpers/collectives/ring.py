@@ -64,6 +64,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from helpers.comm import group_rank, world_size
+
 __all__ = ["chunk_bounds", "flat_view", "check_summable", "post_pair", "SEGMENT_BYTES",
            "ring_neighbours", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
@@ -88,9 +90,7 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 def ring_neighbours(group) -> tuple[int, int, int, int]:
     """(rank, world_size, right neighbour, left neighbour), all ranks *within* ``group``;
     (0, 1, 0, 0) outside any process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1, 0, 0  # no process group: one rank, the collectives do nothing
-    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    rank, p = group_rank(group), world_size(group)  # no process group: one rank, nothing to do
     return rank, p, (rank + 1) % p, (rank - 1) % p
 
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from helpers.comm import group_rank, world_size
+
 __all__ = ["rank_and_world", "gather_all", "raise_if_any"]
 
 
 def rank_and_world(group) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) outside any process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+    """(rank, world size) in ``group``; (0, 1) outside any process group (``helpers.comm``)."""
+    return group_rank(group), world_size(group)
 
 
 def gather_all(obj: Any, group) -> list:
