@@ -29,7 +29,7 @@ def _bench(size: str, steps: int, micro: int, seq: int, cap_mb: float) -> dict:
 
     from helpers.data import make_dataset
     from helpers.ddp import BucketedDDP
-    from helpers.dp import average_gradients
+    from helpers.naive_dp import average_gradients
     from helpers.model import build_model
 
     r = rank_info().rank
@@ -51,7 +51,7 @@ def _bench(size: str, steps: int, micro: int, seq: int, cap_mb: float) -> dict:
         return m  # naive: average_gradients after backward
 
     kinds = ["torch DDP", "BucketedDDP", "one bucket (after backward)",
-             "one all-reduce per parameter", "naive DP (helpers.dp)"]
+             "one all-reduce per parameter", "naive DP (helpers.naive_dp)"]
     models = {k: make(k) for k in kinds}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     times = {k: [] for k in kinds}

@@ -128,7 +128,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers.dp import broadcast_parameters, unique_parameters
+from helpers.naive_dp import broadcast_parameters, unique_parameters
 from helpers.comm import completed_future, world_size  # (completed_future lived here first)
 
 __all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook",

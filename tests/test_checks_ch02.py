@@ -44,7 +44,7 @@ def _no_zero_grad_step(model, opt, x, y):  # gradients pile up across steps
 
 
 def ch02_average(model):
-    from helpers.dp import average_gradients
+    from helpers.naive_dp import average_gradients
     average_gradients(model)
 
 

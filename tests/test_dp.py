@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from helpers import launch, rank_info
 from helpers.data import make_dataset
-from helpers.dp import average_gradients, broadcast_parameters
+from helpers.naive_dp import average_gradients, broadcast_parameters
 from helpers.model import build_model
 from helpers.tolerance import assert_within_fp32_noise
 
