@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from helpers.comm import all_gather, ring_bytes_sent
 from helpers.comm import completed_future, world_size
-from helpers.validate import positive_int
+from helpers.validate import int_at_least, positive_int
 
 __all__ = ["cast_hook", "TopKHook", "PowerSGDHook", "should_compress", "torch_powersgd_hook"]
 
@@ -186,9 +186,7 @@ class PowerSGDHook(_Counting):
                  start_iter: int = 0, asynchronous: bool = False, min_rate: float = 2.0):
         super().__init__()
         positive_int("rank", rank)
-        if not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"start_iter (plain all-reduce steps first) must be an int >= 0, "
-                             f"got {start_iter!r}")
+        int_at_least("start_iter (plain all-reduce steps first)", start_iter, 0)
         self.rank, self.error_feedback, self.seed = rank, error_feedback, seed
         self.start_iter, self.asynchronous, self.min_rate = start_iter, asynchronous, min_rate
         self.errors: dict[tuple[int, int], torch.Tensor] = {}

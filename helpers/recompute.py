@@ -59,7 +59,7 @@ import torch
 import torch.nn as nn
 
 from helpers.model import GPT, lm_loss
-from helpers.validate import positive_int
+from helpers.validate import is_int, positive_int
 
 __all__ = ["Checkpoint", "checkpoint", "segment_bounds", "sqrt_segments", "apply_recompute",
            "remove_recompute", "forward_state", "RECOMPUTE_MODES", "RECOMPUTE_CHOICES"]
@@ -186,9 +186,8 @@ def sqrt_segments(n: int) -> int:
 
 def segment_bounds(n: int, k: int) -> list[tuple[int, int]]:
     """Cut blocks 0..n-1 into k contiguous segments whose sizes differ by at most 1."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"number of blocks must be a positive int, got {n!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+    positive_int("number of blocks", n)
+    if not is_int(k) or not 1 <= k <= n:
         raise ValueError(f"segments must be an int in [1, {n}] for {n} blocks, got {k!r}")
     base, extra = divmod(n, k)
     bounds, lo = [], 0

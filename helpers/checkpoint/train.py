@@ -67,9 +67,8 @@ def _check(steps, save_every, optimizer, forget, crash, fp16) -> None:
     if fp16 and optimizer != "ddp":
         # the scaler reads every p.grad, full and averaged: DDP's, not a shard's
         raise ValueError(f"fp16 (loss scaling) runs with optimizer='ddp', got {optimizer!r}")
-    if not isinstance(steps, int) or steps < 1 or not isinstance(save_every, int) \
-            or save_every < 1:
-        raise ValueError(f"steps and save_every must be positive ints, got {steps}, {save_every}")
+    positive_int("steps", steps)
+    positive_int("save_every", save_every)
     bad = set(forget) - set(_PARTS)
     if bad:
         raise ValueError(f"forget may name {_PARTS}, got {sorted(bad)}")

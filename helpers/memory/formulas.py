@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 
 from helpers.recompute import RECOMPUTE_MODES
-from helpers.validate import positive_int
+from helpers.validate import is_int, positive_int
 
 __all__ = ["GB", "ModelStateBytes", "model_state_bytes",
            "activation_bytes_per_layer", "activation_bytes_model", "MODEL_PRESETS",
@@ -84,8 +84,7 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
         raise ValueError(f"n_params must be >= 0, got {n_params}")
     positive_int("dp (data-parallel ranks)", dp)
     # bool is an int in Python (True == 1): refuse it rather than read True as stage 1
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) \
-            or zero_stage not in (0, 1, 2, 3):
+    if not is_int(zero_stage) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be the int 0, 1, 2 or 3, got {zero_stage!r}")
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
                         ("optimizer_bytes", optimizer_bytes)):

@@ -52,7 +52,7 @@ from helpers import collectives  # chapter 03's ring, with its exchange hook
 from helpers.collectives import check_summable, flat_view, post_pair
 from helpers.mesh import axis_groups
 from helpers.topology.links import Link, Topology
-from helpers.validate import positive_int
+from helpers.validate import is_int, positive_int
 
 __all__ = ["Wire", "NodeGroups", "check_grid", "grid_layout", "node_groups", "mesh_groups",
            "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
@@ -69,8 +69,7 @@ class Wire:
     """
 
     def __init__(self, gpus_per_node: int, slow_link: Link | None = None):
-        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+        positive_int("gpus_per_node", gpus_per_node)
         self.gpus_per_node = gpus_per_node
         self.slow_link = slow_link
         self.cross_bytes = 0      # bytes this rank sent to another node
@@ -258,8 +257,8 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
     dist.all_reduce (no emulated delay: gloo's own messages bypass the Wire).
     Every result is checked against the exact sum (float32 ones: exact).
     """
-    if not isinstance(numel, int) or numel < 1 or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"need numel >= 1 and reps >= 1 (ints), got {numel!r}, {reps!r}")
+    positive_int("numel", numel)
+    positive_int("reps", reps)
     groups = node_groups(gpus_per_node)
     p = dist.get_world_size()
     x = torch.empty(numel, dtype=torch.float32)
@@ -308,7 +307,7 @@ def time_placement(numel: int, gpus_per_node: int, group_size: int, slow_link: L
     p = dist.get_world_size()
     check_grid(p, gpus_per_node)
     nodes = p // gpus_per_node
-    if not isinstance(group_size, int) or group_size < 1 or gpus_per_node % group_size \
+    if not is_int(group_size) or group_size < 1 or gpus_per_node % group_size \
             or nodes % group_size:
         raise ValueError(f"group_size {group_size} must divide both gpus_per_node "
                          f"({gpus_per_node}) and the node count ({nodes})")

@@ -27,6 +27,7 @@ import torch.nn as nn
 from helpers.clip import sharded_clip_grad_norm_
 from helpers.comm import group_rank, ring_bytes_sent, world_size
 from helpers.memory import ModelStateBytes
+from helpers.validate import is_int
 from helpers.zero.adamw import adamw_update, check_betas
 from helpers.zero.partition import FlatPartition
 
@@ -87,7 +88,7 @@ class ZeroOptimizer:
         for name, value in (("prefetch_bucket_numel", prefetch_bucket_numel),
                             ("max_reuse_numel", max_reuse_numel),
                             ("reduce_bucket_numel", reduce_bucket_numel)):
-            if not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (elements; 0 = off), got {value!r}")
             if value and stage != 3:
                 raise ValueError(f"{name} is a stage-3 knob; stage {stage} got {value}")
