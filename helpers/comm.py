@@ -1,4 +1,9 @@
-"""Collectives on flat buffers, their ring cost, and freeing a tensor's storage.
+"""torch.distributed's own collectives on flat buffers, their ring cost, and freeing storage.
+
+The thin layer that the sharded mechanisms (ZeRO, FSDP, PowerSGD) call
+instead of ``torch.distributed`` directly. Not to be confused with
+``helpers.collectives``: chapter 03's hand-written ring, tree and
+halving-doubling implementations and their alpha-beta cost model.
 
 Also the small helpers every parallel module needs: ``world_size`` and
 ``group_rank`` (1 and 0 outside a process group, so the code runs as plain
