@@ -22,7 +22,8 @@ the rule a plan breaks, before any GPU is touched.
 
 Rank order. The degrees multiply in Megatron-LM's order, tensor-parallel
 fastest (tp, then cp, then dp, then pp: ``RankGenerator`` in
-megatron/core/parallel_state.py), so a TP group is consecutive GPUs (inside a
+megatron/core/parallel_state.py; ``helpers.mesh.MEGATRON_DIMS``, the course's
+one rank-order rule), so a TP group is consecutive GPUs (inside a
 node, chapter 09), a DP group is strided by tp * cp, and PP is the slowest
 axis. Expert parallelism does not add GPUs: it splits the dp * cp ranks that
 hold the same layer (Megatron-Core's expert-data-parallel group; torchtitan
