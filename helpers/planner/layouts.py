@@ -3,9 +3,10 @@
 A ``Layout`` is a way of writing the GPU count as dp x tp x pp x cp (x ep
 carved out of dp x cp) with the per-GPU choices (ZeRO stage, recompute,
 micro-batch, interleaving), ranks ordered as Megatron-LM's ``parallel_state``
-orders them (tp fastest, then cp, then dp, then pp: ``helpers.mesh.MEGATRON_DIMS``). It converts to and from
-chapter 19's ``Plan`` (``helpers.frameworks.plan``) and orders itself by
-simplicity, the course's order of escalation read backwards
+orders them (tp fastest, then cp, then dp, then pp:
+``helpers.mesh.MEGATRON_DIMS``). It converts to and from chapter 19's ``Plan``
+(``helpers.frameworks.plan``) and orders itself by simplicity, the course's
+order of escalation read backwards
 (``Layout.complexity``). A ``Candidate`` is the planner's verdict on one
 layout: the rule it broke, or its memory and step-time terms, whose names
 and teaching chapters are ``MEMORY_TERMS``, ``TERMS`` and ``CHAPTER``.
