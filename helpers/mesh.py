@@ -30,8 +30,8 @@ from typing import Mapping, Sequence
 
 from helpers.validate import is_int, positive_int
 
-__all__ = ["MEGATRON_DIMS", "megatron_stride", "mesh_size", "coords_of", "rank_at", "rank_coords", "axis_stride",
-           "axis_groups"]
+__all__ = ["MEGATRON_DIMS", "megatron_stride", "mesh_size", "coords_of", "rank_at", "rank_coords",
+           "axis_stride", "axis_groups"]
 
 MEGATRON_DIMS = ("pp", "dp", "cp", "tp")  # outermost first: tp fastest, pp slowest
 
