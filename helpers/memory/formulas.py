@@ -196,7 +196,10 @@ def activation_bytes_model(seq: int, batch: int, hidden: int, heads: int, layers
     return total
 
 
-# Published shapes for the calculator. Parameter counts are the nominal ones
+# Published shapes for chapter 06's calculator: keyword arguments of
+# ``training_memory``, not a model description of their own (the course's
+# runnable model is ``helpers.model.GPTConfig``, chapters 19-20's paper-scale
+# one ``helpers.frameworks.ModelSpec``). Parameter counts are the nominal ones
 # (70e9, as in the "70B -> 1,120 GB" arithmetic). The activation formula is
 # Korthikanti's GPT layer, so the "Llama 2" rows are Llama 2's s/h/a/L/v run
 # through a GPT layer: a 4h GeLU MLP (2 + 8 + 8 + 1 sbh of the 34). Llama 2's
