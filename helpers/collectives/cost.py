@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import math
 
+from helpers.validate import positive_int
+
 __all__ = ["ring_all_reduce_time", "tree_all_reduce_time", "halving_doubling_all_reduce_time",
            "bus_bandwidth", "BUSBW_FACTORS"]
 
@@ -47,8 +49,7 @@ __all__ = ["ring_all_reduce_time", "tree_all_reduce_time", "halving_doubling_all
 def _check_model_args(nbytes: float, world_size: int, alpha: float, beta: float) -> None:
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int("world_size", world_size)
     if alpha < 0 or beta <= 0:
         raise ValueError(f"need alpha >= 0 (seconds) and beta > 0 (bytes/s), got {alpha}, {beta}")
 
@@ -92,6 +93,5 @@ def bus_bandwidth(algbw: float, world_size: int, op: str = "all_reduce") -> floa
     """Bus bandwidth from algorithm bandwidth (bytes/s in, bytes/s out)."""
     if op not in BUSBW_FACTORS:
         raise ValueError(f"unknown collective {op!r}; choose from {sorted(BUSBW_FACTORS)}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int("world_size", world_size)
     return algbw * BUSBW_FACTORS[op](world_size)

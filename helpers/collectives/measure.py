@@ -19,6 +19,7 @@ import torch.distributed as dist
 from helpers.collectives.cost import bus_bandwidth
 from helpers.collectives.halving_doubling import halving_doubling_all_reduce
 from helpers.collectives.ring import chunk_bounds, ring_all_reduce
+from helpers.validate import int_at_least, is_int
 
 __all__ = ["IMPLS", "check_sweep_args", "sweep", "fit_alpha_beta"]
 
@@ -47,17 +48,15 @@ def check_sweep_args(sizes: Iterable[int], impls: Sequence[str], iters: int,
     clear message; ``sweep`` calls it too, on every rank, before any collective.
     """
     sizes = list(sizes)
-    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 4 for n in sizes):
+    if not sizes or any(not is_int(n) or n < 4 for n in sizes):
         raise ValueError(f"sizes must be a non-empty list of ints >= 4 (bytes; the sweep sends "
                          f"float32 elements), got {sizes!r}")
     if isinstance(impls, str) or not impls or any(i not in IMPLS for i in impls) \
             or len(set(impls)) != len(impls):
         raise ValueError(f"impls must be a non-empty sequence of distinct names from {IMPLS}, "
                          f"got {impls!r}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be an int >= 1 (timed calls per size), got {iters!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    int_at_least("iters (timed calls per size)", iters, 1)
+    int_at_least("warmup", warmup, 0)
     return sizes
 
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from helpers.model import GPTConfig, init_weights
 from helpers.moe.layer import MoEConfig, MoELayer, MoEMLP, MoEStats
+from helpers.validate import positive_int
 
 __all__ = ["apply_moe", "moe_n_params", "apply_ep", "moe_stats", "moe_aux_loss"]
 
@@ -27,8 +28,7 @@ def _moe_layer_ids(n_layer: int, every: int) -> list[int]:
     """Blocks every-1, 2 every-1, ...: every ``every``-th block, the last one included
     when ``every`` divides the depth (Switch Transformer: every=2, Fedus et al. 2021,
     sec. 2.4 / App. A)."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int (1: every block), got {every!r}")
+    positive_int("every", every)  # 1: every block
     return [i for i in range(n_layer) if (i + 1) % every == 0]
 
 

@@ -46,6 +46,7 @@ import torch.nn as nn
 from helpers.moe.dispatch import all_to_all, alltoall_bytes, exchange_splits
 from helpers.moe.router import (capacity_slots, expert_capacity, load_balancing_loss, route,
                                 router_z_loss)
+from helpers.validate import positive_int
 
 __all__ = ["MoEConfig", "Expert", "MoEStats", "MoELayer", "MoEMLP"]
 
@@ -64,8 +65,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k", "ep_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"MoE {name} must be a positive int, got {v!r}")
+            positive_int(f"MoE {name}", v)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} is larger than num_experts="
                              f"{self.num_experts}: a token cannot pick more experts than exist")

@@ -25,6 +25,7 @@ import torch
 
 from helpers.checkpoint.store.agree import gather_all, raise_if_any, rank_and_world
 from helpers.checkpoint.store.format import FORMAT, checkpoint_dir, list_checkpoints, serialize
+from helpers.validate import int_at_least, positive_int
 
 __all__ = ["save", "write_checkpoint"]
 
@@ -122,10 +123,9 @@ def save(directory: str, state: dict, step: int, group=None, keep: int | None = 
     ``on_written(path)`` runs on each rank once its file is durable, before the
     manifest (a place to inject a crash). Returns the checkpoint's directory.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
+    int_at_least("step", step, 0)
+    if keep is not None:
+        positive_int("keep (None: keep all)", keep)
     err, data, layout = None, b"", {}
     try:
         data, layout = serialize(state)
