@@ -14,6 +14,13 @@ def test_the_import_graph_has_no_circle():
     assert import_graph.circles(arrows) == []
 
 
+def test_no_circle_between_packages_either():
+    """One level up (helpers.costs, helpers.frameworks, ... as rooms): a package
+    must not need another that needs it back, even through different modules."""
+    arrows, _ = import_graph.imports(import_graph.modules())
+    assert import_graph.circles(import_graph.rooms(arrows)) == []
+
+
 def test_the_launcher_imports_nothing_from_the_debugger():
     """helpers.debug plugs into helpers.launch through its hooks, not the other way."""
     arrows, _ = import_graph.imports(import_graph.modules())

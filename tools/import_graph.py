@@ -90,6 +90,18 @@ def circles(arrows: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def rooms(arrows: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same graph one level up: each top-level module or package of helpers
+    is a room (``helpers.zero.base`` is in the room ``helpers.zero``)."""
+    def room(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for a, targets in arrows.items():
+        out.setdefault(room(a), set()).update(room(t) for t in targets if room(t) != room(a))
+    return out
+
+
 def floors(arrows: dict[str, set[str]]) -> dict[str, int]:
     """Floor 0: imports nothing of helpers. Modules on a circle share the
     floor of their first visit (the circle is reported separately)."""
@@ -124,8 +136,8 @@ def report() -> str:
             short = sorted(a.removeprefix("helpers.") for a in arrows[m])
             out.append(f"  {m.removeprefix('helpers.')} ({lines_of[m]})"
                        + (f" -> {', '.join(short)}" if short else ""))
-    loops = circles(arrows)
-    out.append(f"circles: {len(loops)}")
+    loops = circles(arrows) + circles(rooms(arrows))
+    out.append(f"circles (modules, then packages as rooms): {len(loops)}")
     out += ["  " + " -> ".join(c) for c in loops]
     out.append(f"private imports across modules: {len(private)}")
     out += [f"  {a} imports {name} from {b}" for a, b, name in private]

@@ -55,7 +55,7 @@ from helpers.mesh import megatron_stride
 from helpers.topology.links import Topology
 
 if TYPE_CHECKING:
-    from helpers.frameworks.plan import ModelSpec
+    from helpers.modelspec import ModelSpec
 
 __all__ = ["AxisCost", "NO_COST", "tp_cost", "pp_cost", "cp_cost", "ep_cost", "dp_ops",
            "dp_cost"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from helpers.pipeline.simulate import bubble_formula
 
 if TYPE_CHECKING:
-    from helpers.frameworks.plan import ModelSpec
+    from helpers.modelspec import ModelSpec
 
 __all__ = ["flops_per_token", "model_flops_per_step", "hardware_flops_per_step",
            "recompute_factor", "compute_time", "bubble_time"]

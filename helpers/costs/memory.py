@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from helpers.memory import activation_bytes_model, model_state_bytes
 
 if TYPE_CHECKING:
-    from helpers.frameworks.plan import ModelSpec
+    from helpers.modelspec import ModelSpec
 
 __all__ = ["MIXED_ADAM", "bytes_per_param", "wire_bytes", "stage_layers", "model_state",
            "activations", "gathered_layers"]
