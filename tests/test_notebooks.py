@@ -169,3 +169,15 @@ def test_make_my_copy_copies_new_chapters_and_keeps_the_learners(tmp_path):
     subprocess.run(["make", "-s", "my-copy"], cwd=tmp_path, check=True, capture_output=True)
     assert (tmp_path / "work" / "01_a_lab.ipynb").read_text() == "my answers"
     assert (tmp_path / "work" / "02_b_lab.ipynb").read_text() == "new chapter"
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
+def test_no_notebook_source_has_control_characters():
+    """A formula typed into a non-raw Python string loses its backslashes: ``\\frac``
+    becomes a form feed plus "rac", ``\\alpha`` a bell plus "lpha", and the page
+    shows garbage. Tabs and newlines are the only control characters a cell needs."""
+    bad = [f"{p.relative_to(ROOT)} cell {i}" for p in ALL_NOTEBOOKS
+           for i, c in enumerate(nbformat.read(p, as_version=4).cells) if CONTROL.search(c.source)]
+    assert bad == []
