@@ -137,11 +137,15 @@ def check_summable(tensor: torch.Tensor, what: str) -> None:
                         f"(e.g. x.float()) and cast back.")
 
 
-def post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> list:
+def post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group,
+              tag: int = 0) -> list:
     """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left.
 
     The ring's default exchange hook (see the module docstring). Returns the
-    requests; wait on all of them before touching either tensor.
+    requests; wait on all of them before touching either tensor. ``tag``
+    tells apart two exchanges in flight at once under gloo (ring attention's
+    K/V and its gradients); nccl ignores tags, so both sides must post them in
+    the same order anyway.
 
     The two are posted as *one* batch (``batch_isend_irecv``), not as two
     separate ``isend``/``irecv`` calls. With gloo either way works. With NCCL
@@ -157,9 +161,9 @@ def post_pair(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
     """
     ops = []
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=right))
+        ops.append(dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=right))
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=left))
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, tag=tag, group_peer=left))
     return dist.batch_isend_irecv(ops) if ops else []
 
 

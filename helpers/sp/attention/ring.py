@@ -3,8 +3,9 @@
 Follows Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise
 Transformers for Near-Infinite Context", sec. 3, with FlashAttention's
 backward (Dao et al. 2022, App. B.2). K/V blocks travel round the ring of
-ranks (isend/irecv) while each rank computes on the block it holds; partial
-results merge with ``merge_partials`` (``helpers.sp.attention.blocks``).
+ranks (isend/irecv, posted together as one batch) while each rank computes
+on the block it holds; partial results merge with ``merge_partials``
+(``helpers.sp.attention.blocks``).
 Memory: two K/V blocks; communication hidden if a block's compute takes
 longer than its transfer.
 
@@ -36,8 +37,8 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
+from helpers.collectives.ring import post_pair
 from helpers.sp.attention.blocks import block_attention, causal_mask, check_qkv, merge_partials
 from helpers.sp.layout import cp_rank, cp_size, positions
 
@@ -55,15 +56,18 @@ def ring_shift(x, group=None, tag=0):
 
     Returns (receive buffer, requests); ``wait_all(requests)`` before reading the buffer.
     With one rank: (x, []).
+
+    The send and the receive go out as one ``batch_isend_irecv``
+    (``helpers.collectives.post_pair``, chapter 03's ring exchange), never as a
+    lone ``isend`` then a lone ``irecv``: under nccl every rank would queue its
+    send first, and a large send waits for a receive that its peer has queued
+    behind its own send, so both wait forever. Gloo runs either form.
     """
     cp, r = cp_size(group), cp_rank(group)
     if cp == 1:
         return x, []
-    peer = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
     buf = torch.empty_like(x)
-    reqs = [dist.isend(x.contiguous(), peer((r + 1) % cp), group=group, tag=tag),
-            dist.irecv(buf, peer((r - 1) % cp), group=group, tag=tag)]
-    return buf, reqs
+    return buf, post_pair(x.contiguous(), buf, (r + 1) % cp, (r - 1) % cp, group, tag=tag)
 
 
 def wait_all(reqs):
