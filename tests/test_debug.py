@@ -227,6 +227,23 @@ def test_the_fingerprint_sees_every_single_bit():
     assert fingerprint(swapped)[0] == ref[0] and fingerprint(swapped)[1] != ref[1]
 
 
+def test_fingerprints_meet_on_the_parameters_device_whatever_the_step_lives_on():
+    """On a GPU node AdamW keeps its ``step`` on the CPU next to CUDA moments, and
+    the fingerprints were stacked across the two devices (a crash). No GPU here:
+    the parameters sit on the ``meta`` device (a device without values), the
+    optimizer's step on the CPU, and the fingerprints must all land on meta."""
+    import torch
+
+    from helpers.debug.replica import fingerprint, local_fingerprints
+    w = torch.empty(3, 4, device="meta")
+    step = torch.tensor(5.0)                                    # as AdamW keeps it
+    out = local_fingerprints([("w", w), ("optimizer[w].step", step)])
+    assert out.device.type == "meta" and out.shape == (2, 2) and out.dtype == torch.int64
+    cpu = local_fingerprints([("step", step), ("w", torch.ones(2))])
+    assert cpu.device.type == "cpu" and torch.equal(cpu[0], fingerprint(step))
+    assert local_fingerprints([]).shape == (0, 2)
+
+
 # -- the health monitor ------------------------------------------------------------------
 
 def _noisy_loss(steps, spike_at=None, seed=0):
@@ -286,6 +303,30 @@ def test_grad_norm_spike_tokens_mfu_and_the_writer():
     assert mon.history["tokens_per_s"][0] == 2000.0
     assert mon.history["mfu"][0] == pytest.approx(6 * 1e6 * 2000 / 1e12)  # 6N per token
     assert ("health/loss", 2.0, 0) in w.scalars
+
+
+def test_the_gradient_norm_is_summed_on_the_gradients_device():
+    """On a GPU node the gradients were added into a CPU float64 scalar (a crash:
+    CUDA into CPU). The crash itself cannot be replayed without a GPU (a 0-dim
+    ``meta`` tensor, unlike a CUDA one, adds into a CPU scalar without
+    complaint), so this pins the rule that prevents it: the sum lives on the
+    gradients' device, checked with gradients on ``meta`` (a device that holds
+    shapes, not values); then the value on the CPU with mixed dtypes."""
+    import torch
+
+    from helpers.debug.monitor import global_grad_norm, sum_of_squares
+    meta = [torch.empty(3, device="meta"), torch.empty(2, 2, device="meta", dtype=torch.bfloat16)]
+    sq = sum_of_squares(meta)
+    assert sq.device.type == "meta" and sq.dtype == torch.float64 and sq.dim() == 0
+    assert sum_of_squares([]).device.type == "cpu"
+    assert sum_of_squares([torch.ones(2)], device="meta").device.type == "meta"
+
+    a = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+    c = torch.nn.Parameter(torch.zeros(4))                      # no gradient: left out
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0], dtype=torch.bfloat16)
+    assert global_grad_norm(iter([a, c, b])) == 13.0           # sqrt(9 + 16 + 144)
+    assert global_grad_norm([c]) == 0.0 and global_grad_norm([]) == 0.0
 
 
 def test_the_tensorboard_writer_is_optional():

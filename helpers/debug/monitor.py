@@ -63,8 +63,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["HealthMonitor", "Alert", "robust_z", "global_grad_norm", "mfu", "stragglers",
-           "leak_suspected", "cuda_memory_stats", "tensorboard_writer"]
+__all__ = ["HealthMonitor", "Alert", "robust_z", "global_grad_norm", "sum_of_squares", "mfu",
+           "stragglers", "leak_suspected", "cuda_memory_stats", "tensorboard_writer"]
 
 METRICS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "data_stall_s",
            "memory_bytes", "checkpoint_s", "step_s")
@@ -79,14 +79,35 @@ def robust_z(window: Sequence[float], x: float) -> float:
     return (x - med) / (1.4826 * mad)
 
 
+def sum_of_squares(tensors, device=None) -> torch.Tensor:
+    """The sum of x**2 over every element of ``tensors``: a float64 scalar on
+    ``device`` (default: the first tensor's; the CPU when there is none).
+
+    Each tensor's part is computed where the tensor lives (in float64) and only
+    that scalar moves, so CUDA gradients are summed on the GPU: never added into
+    a CPU number (which raises), never copied whole to the host."""
+    tensors = list(tensors)
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        sq += t.detach().double().pow(2).sum().to(device)
+    return sq
+
+
 def global_grad_norm(params, group=None, sharded: bool = False) -> float:
     """The L2 norm of all gradients. ``sharded=True`` (ZeRO-2/3, FSDP: each rank
     holds a different part): the squared local norms are summed over ``group``
-    first; with replicated gradients (DDP) the local norm already is global."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum()
+    first; with replicated gradients (DDP) the local norm already is global.
+
+    Summed on the gradients' device (``sum_of_squares``): CUDA on a GPU node,
+    where the all-reduce needs a CUDA tensor too. A rank that holds no gradient
+    sums on its first parameter's device, so every rank all-reduces on the same
+    kind of device."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    fallback = params[0].device if params else torch.device("cpu")
+    sq = sum_of_squares(grads, grads[0].device if grads else fallback)
     if sharded and dist.is_initialized():
         dist.all_reduce(sq, group=group)
     return float(sq.sqrt())

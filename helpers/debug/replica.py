@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["fingerprint", "named_state", "ReplicaReport", "check_replicas", "flip_bit"]
+__all__ = ["fingerprint", "named_state", "local_fingerprints", "ReplicaReport", "check_replicas",
+           "flip_bit"]
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -100,13 +101,29 @@ def _majority(rows: list[tuple]) -> tuple:
     return next(row for row in rows if counts[row] == best)
 
 
+def local_fingerprints(state: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """This rank's fingerprints of ``state`` (``named_state``): int64 [tensors, 2],
+    on the device of the first tensor (the first parameter: CUDA on a GPU node,
+    where nccl moves only CUDA tensors); empty and on the CPU without state.
+
+    Each tensor is fingerprinted where it lives and its two sums move: AdamW
+    keeps its ``step`` count on the CPU next to CUDA moments, and stacking
+    fingerprints from both devices would fail."""
+    if not state:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    device = state[0][1].device
+    return torch.stack([fingerprint(t).to(device) for _, t in state])
+
+
 def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    group=None) -> ReplicaReport:
     """Compare every rank's parameters (and optimizer state) in ``group``; the
-    same report on every rank. Collective: every rank of the group must call it."""
+    same report on every rank. Collective: every rank of the group must call it.
+    Everything it sends lives on the fingerprints' device (``local_fingerprints``),
+    a CPU ``step`` among CUDA parameters included."""
     state = named_state(model, optimizer)
-    mine = torch.stack([fingerprint(t) for _, t in state]) if state else \
-        torch.zeros(0, 2, dtype=torch.int64)                         # [tensors, 2]
+    mine = local_fingerprints(state)                                 # [tensors, 2]
+    device = mine.device
     world = dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -121,14 +138,15 @@ def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     name, tensor = state[index]
     # How far off: the majority's copy, from the first rank that holds it.
     src = ranks[rows.index(ref)]
-    theirs = tensor.detach().clone()
+    ours = tensor.detach().to(device)
+    theirs = ours.clone()
     dist.broadcast(theirs, src, group=group)
-    diff = torch.zeros(2, dtype=torch.float64)
+    diff = torch.zeros(2, dtype=torch.float64, device=device)
     if dist.get_rank() == ranks[first]:
-        bad = tensor.detach() != theirs
-        delta = (tensor.detach().double() - theirs.double()).abs()
+        bad = ours != theirs
+        delta = (ours.double() - theirs.double()).abs()
         diff = torch.tensor([bad.sum().item(), delta.max().item() if bad.any() else 0.0],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=device)
     dist.broadcast(diff, ranks[first], group=group)
     n_bad, max_diff = int(diff[0]), float(diff[1])
     agree = [ranks[i] for i in range(world) if rows[i] == ref]
