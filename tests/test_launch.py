@@ -6,6 +6,7 @@ process is left behind (the rank server, which never runs user code, stays).
 """
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import os
@@ -15,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import typing
 
 import cloudpickle
 import pytest
@@ -105,6 +107,67 @@ def test_results_in_rank_order_with_closure_args_and_kwargs():
     assert [o["rank"] for o in out] == [0, 1, 2]
     assert all(o["world"] == 3 and o["sum"] == 3 + 13 for o in out)
     assert all(o["backend"] == "gloo" and o["device"] == "cpu" for o in out)
+
+
+def test_namedtuple_and_dataclass_results_come_back_detached():
+    """to_cpu looks inside NamedTuples and dataclasses as it does inside lists,
+    tuples and dicts: otherwise, on a GPU node, their CUDA tensors reached the
+    caller; here, their tensors came back still requiring grad (detach is the
+    half of to_cpu a CPU run can see)."""
+    class Pair(typing.NamedTuple):
+        loss: torch.Tensor
+        grads: list
+
+    @dataclasses.dataclass(frozen=True)
+    class Result:
+        pair: Pair
+        weight: torch.Tensor
+        step: int = 0
+
+    def fn():
+        w = torch.nn.Parameter(torch.full((3,), float(dist.get_rank() + 1)))
+        return Result(Pair((w * w).sum(), [w * 2]), w, step=7)
+
+    out = launch(fn, 2)
+    for rank, r in enumerate(out):
+        assert type(r).__name__ == "Result" and type(r.pair).__name__ == "Pair"
+        assert r.pair._fields == ("loss", "grads") and r.step == 7
+        tensors = [r.pair.loss, r.pair.grads[0], r.weight]
+        assert not any(t.requires_grad for t in tensors), [t.requires_grad for t in tensors]
+        assert type(r.weight) is torch.Tensor  # the Parameter, detached
+        assert r.pair.loss.item() == 3 * (rank + 1) ** 2
+        assert r.pair.grads[0].tolist() == [2.0 * (rank + 1)] * 3
+
+
+def test_to_cpu_rebuilds_containers_and_leaves_the_original_alone():
+    """The same without ranks: a frozen dataclass with an init=False field, a
+    NamedTuple, nested in a list and a dict; other objects pass through as they are."""
+    from helpers.launch.rank import to_cpu
+
+    class Point(typing.NamedTuple):
+        x: torch.Tensor
+        y: int
+
+    @dataclasses.dataclass(frozen=True)
+    class Box:
+        t: torch.Tensor
+        points: list
+        derived: torch.Tensor = dataclasses.field(init=False)
+        unset: object = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            object.__setattr__(self, "derived", self.t * 3)
+
+    w = torch.ones(2, requires_grad=True)
+    box = Box(w * 2, [Point(w + 1, 5)])
+    marker = object()
+    out = to_cpu({"box": box, "other": marker, "pair": (w,)})
+    got = out["box"]
+    assert type(got) is Box and type(got.points[0]) is Point and got.points[0].y == 5
+    assert not any(t.requires_grad for t in (got.t, got.derived, got.points[0].x, out["pair"][0]))
+    assert got.derived.tolist() == [6.0, 6.0] and not hasattr(got, "unset")
+    assert out["other"] is marker
+    assert box.t.requires_grad and box.points[0].x.requires_grad  # the original: untouched
 
 
 def test_server_is_reused_and_every_launch_gets_fresh_ranks():

@@ -10,6 +10,8 @@ so no rank outlives the notebook that started it.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import datetime
 import io
 import linecache
@@ -45,15 +47,29 @@ def seed_everything(seed: int) -> None:
 
 
 def to_cpu(obj: Any) -> Any:
-    """Move tensors in a (nested) result to CPU so the caller never touches CUDA."""
+    """Move tensors in a (nested) result to CPU, detached, so the caller never
+    touches CUDA or a rank's autograd graph.
+
+    Looks inside lists, tuples, dicts, NamedTuples (rebuilt as their own type)
+    and dataclass instances (a shallow copy with each field converted; the
+    original is left as it was); any other object is returned as it is."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu() if obj.device.type != "cpu" else obj.detach()
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+    if type(obj) in (list, tuple):
         return type(obj)(to_cpu(o) for o in obj)
-    if isinstance(obj, dict) and type(obj) is dict:
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):     # a NamedTuple
+        return type(obj)(*(to_cpu(o) for o in obj))
+    if type(obj) is dict:
         return {k: to_cpu(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            if hasattr(obj, field.name):  # (an init=False field may never have been set)
+                # object.__setattr__: frozen dataclasses too; no __init__ or __post_init__ rerun
+                object.__setattr__(out, field.name, to_cpu(getattr(obj, field.name)))
+        return out
     return obj
 
 
