@@ -26,6 +26,13 @@ import helpers
 HELPERS = Path(helpers.__file__).parent
 
 
+def _scan_helpers(finder) -> list[str]:
+    """``helpers/x.py:LINE`` for every line ``finder`` (tree -> line numbers) flags."""
+    return [f"{path.relative_to(HELPERS.parent)}:{line}"
+            for path in sorted(HELPERS.rglob("*.py"))
+            for line in finder(ast.parse(path.read_text(), str(path)))]
+
+
 def _list_form_calls(tree: ast.AST) -> list[int]:
     """Line numbers of ``<anything>.all_to_all(...)`` calls, and of bare
     ``all_to_all(...)`` calls where the module imports that name from torch."""
@@ -55,9 +62,7 @@ def test_the_scan_finds_the_list_form_and_not_the_single_form():
 
 
 def test_no_helpers_module_calls_the_list_form_all_to_all():
-    found = [f"{path.relative_to(HELPERS.parent)}:{line}"
-             for path in sorted(HELPERS.rglob("*.py"))
-             for line in _list_form_calls(ast.parse(path.read_text(), str(path)))]
+    found = _scan_helpers(_list_form_calls)
     assert not found, ("list-form dist.all_to_all, which torch 2.11's gloo refuses; "
                        f"use dist.all_to_all_single instead: {found}")
 
@@ -105,9 +110,7 @@ def test_no_helpers_module_posts_a_lone_isend_or_irecv():
     together. Gloo buffers and runs either form, so the CPU tests cannot see
     the hang: hence a static check (ring attention's ``ring_shift`` had it).
     """
-    found = [f"{path.relative_to(HELPERS.parent)}:{line}"
-             for path in sorted(HELPERS.rglob("*.py"))
-             for line in _lone_p2p_calls(ast.parse(path.read_text(), str(path)))]
+    found = _scan_helpers(_lone_p2p_calls)
     assert not found, ("a lone isend/irecv, which can deadlock under nccl; post the pair "
                        f"with helpers.collectives.post_pair or helpers.pipeline.p2p.post: {found}")
 
@@ -151,8 +154,6 @@ def test_no_helpers_module_compares_the_backend_name_exactly():
     tensors that nccl must move (helpers/topology/hierarchical.py and
     helpers/collectives/measure.py had it). Ask ``"nccl" in dist.get_backend()``,
     or look at the tensor (``t.is_cuda``)."""
-    found = [f"{path.relative_to(HELPERS.parent)}:{line}"
-             for path in sorted(HELPERS.rglob("*.py"))
-             for line in _exact_backend_comparisons(ast.parse(path.read_text(), str(path)))]
+    found = _scan_helpers(_exact_backend_comparisons)
     assert not found, ('dist.get_backend() compared with a name; under "cpu:gloo,cuda:nccl" '
                        f'use "nccl" in dist.get_backend(): {found}')
