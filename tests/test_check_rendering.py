@@ -50,3 +50,27 @@ def test_other_errors_keep_their_traceback(shell, capsys):
 def test_multiline_message_keeps_every_line():
     lines = CheckFailed("first\nsecond\nthird")._render_traceback_()
     assert ANSI.sub("", lines[0]) == "✗ check failed: first" and lines[1:] == ["second", "third"]
+
+
+def _learner_indexes_none(x):
+    return x.shape[0]  # the learner's line: x is None
+
+
+def test_attempt_turns_a_learner_exception_into_an_explanation():
+    """A RuntimeError/AttributeError/AssertionError from the learner's code is a CheckFailed
+    naming the case, the exception and the learner's own line -- not a traceback."""
+    from helpers.checks import attempt
+
+    with pytest.raises(CheckFailed) as info:
+        attempt(_learner_indexes_none, None, what="shard_sizes(10, p=3)")
+    msg = str(info.value)
+    assert msg.startswith("shard_sizes(10, p=3) raised AttributeError: 'NoneType'")
+    assert "test_check_rendering.py" in msg and "x.shape[0]" in msg
+
+    def own_assert():
+        assert False, "my own check"
+
+    with pytest.raises(CheckFailed, match="raised AssertionError: my own check"):
+        attempt(own_assert)
+    with pytest.raises(CheckFailed, match="not implemented yet"):
+        attempt(lambda: (_ for _ in ()).throw(NotImplementedError("stub")))

@@ -42,12 +42,44 @@ class CheckFailed(AssertionError):
 
 
 def attempt(fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:
-    """Call the learner's function; turn 'not done yet' into a clear CheckFailed."""
+    """Call the learner's function; turn any exception it raises into a CheckFailed.
+
+    'Not done yet' (NotImplementedError) says so; any other exception (a shape
+    error, a None where a tensor belongs, the learner's own assert) is named with
+    its type, its message and the learner's line that raised it, so the learner
+    reads an explanation instead of a traceback through the check.
+    """
+    name = what or getattr(fn, "__name__", "the exercise")
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:
-        raise CheckFailed(f"{what or getattr(fn, '__name__', 'the exercise')} is not "
-                          f"implemented yet ({exc})") from None
+        raise CheckFailed(f"{name} is not implemented yet ({exc})") from None
+    except CheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every learner error becomes an explanation
+        raise CheckFailed(f"{name} raised {type(exc).__name__}: {exc}"
+                          f"{learner_line(exc)}") from exc
+
+
+def learner_line(exc: BaseException) -> str:
+    """' (at <file>, line N: <code>)' for the innermost frame outside torch and helpers.
+
+    That frame is the learner's code (a notebook cell or their module); frames in
+    torch or in this package say where the error surfaced, not where the mistake is.
+    """
+    import traceback
+    from pathlib import Path
+
+    import torch
+
+    ours = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(ours)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" (at {f.filename}, line {f.lineno}:{code})"
 
 
 def passed(message: str) -> None:
