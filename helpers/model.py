@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers.launch.info import rank_info
 from helpers.validate import positive_int
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "build_model",
@@ -219,9 +220,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def build_model(cfg: GPTConfig | str = "toy", seed: int = 0, device: str | torch.device = "cpu",
-                **overrides) -> GPT:
-    """A GPT whose initial weights depend only on ``seed`` (not on global RNG state)."""
+def build_model(cfg: GPTConfig | str = "toy", seed: int = 0,
+                device: str | torch.device | None = None, **overrides) -> GPT:
+    """A GPT whose initial weights depend only on ``seed`` (not on global RNG state).
+
+    ``device=None`` is the calling rank's device (``rank_info().device``:
+    "cuda:<local_rank>" in an nccl launch, else "cpu"; "cpu" outside a
+    launch). The weights are drawn on the CPU and then moved, so they are the
+    same numbers on every device.
+    """
     if isinstance(cfg, str):
         cfg = GPTConfig.from_name(cfg, **overrides)
     elif overrides:
@@ -229,7 +236,7 @@ def build_model(cfg: GPTConfig | str = "toy", seed: int = 0, device: str | torch
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(cfg)
-    return model.to(device)
+    return model.to(rank_info().device if device is None else device)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -1,0 +1,227 @@
+"""Every rank function builds its model, data and tensors on its rank's device.
+
+On a GPU node ``launch(..., backend="auto")`` gives each rank one GPU and an
+nccl group ("cpu:gloo,cuda:nccl"); ``rank_info().device`` is then
+"cuda:<local_rank>". A rank function that builds its tensors on the CPU still
+runs there, but every collective goes over the gloo half: the node runs the
+CPU course. So:
+
+* static: in every course/ and solutions/ notebook, inside a *rank function*,
+  every torch tensor factory (``torch.randn``, ``zeros``, ``arange``, ...)
+  passes ``device=`` or is moved at once (``torch.randint(..., generator=g)
+  .to(dev)``: generated on the CPU so the values are the CPU course's, then
+  moved), and ``build_model`` is not pinned to ``device="cpu"`` (its default
+  is the rank's device). ``*_like`` factories inherit their argument's device
+  and are not checked.
+
+  A *rank function* is a function defined in a notebook cell that runs on
+  ranks: one passed to ``launch(...)`` (by name, or a lambda), one passed to
+  a lab check (``check_*(fn)``: checks run the learner's function on ranks or
+  on tensors a rank made), and, transitively, every notebook function that one
+  of those calls by name. Functions that only run in the kernel (plots,
+  single-process references, cost formulas) are not rank functions: their
+  tensors are the notebook's, and ``launch`` hands results back on the CPU.
+* runtime: ``build_model()`` inside ``launch`` puts its parameters on
+  ``rank_info().device``; with a RankInfo whose device is "meta" the default
+  follows it (no GPU needed to see the rule).
+"""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import importlib
+from helpers import launch, rank_info
+from helpers.model import build_model
+
+info_mod = importlib.import_module("helpers.launch.info")  # helpers.launch is also a function
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "course").glob("*.ipynb")) + sorted(
+    (ROOT / "solutions").glob("*.ipynb"))
+
+FACTORIES = {"randn", "rand", "randint", "randperm", "zeros", "ones", "empty", "full",
+             "tensor", "as_tensor", "arange", "linspace", "logspace", "eye", "normal"}
+
+# TEMPORARY: chapters whose rank functions other helpers are moving to the
+# rank's device right now. Each owner deletes its chapter's entry when its
+# notebooks pass; the dict must be empty when that work is done.
+TEMPORARY_ALLOW_LIST: dict[str, str] = {
+    "07_nccl_topology": "chapter 07's owner",
+    "08_tensor_parallel_basics": "chapter 08's owner",
+    "09_tp_in_transformer": "chapter 09's owner",
+    "10_sequence_parallel": "chapter 10's owner",
+    "17_checkpoint_resume": "chapter 17's owner",
+    "18_debugging_health": "chapter 18's owner",
+    "19_frameworks": "chapter 19's owner",
+    "20_design_training_stack": "chapter 20's owner",
+    "21_expert_parallelism": "chapter 21's owner",
+}
+
+
+def _chapter(path: pathlib.Path) -> str:
+    return path.stem.removesuffix("_solution")
+
+
+def _code(source: str) -> str:
+    """A cell's source with IPython magics and shell escapes blanked (line numbers kept)."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                     for line in source.splitlines())
+
+
+def _called_name(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _names_passed(call: ast.Call) -> list[ast.expr]:
+    return list(call.args) + [k.value for k in call.keywords]
+
+
+def _cells(path: pathlib.Path) -> list[tuple[int, ast.Module]]:
+    import nbformat
+
+    nb = nbformat.read(path, 4)
+    return [(i, ast.parse(_code(c.source), filename=f"{path.name}[cell {i}]"))
+            for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
+def rank_functions(cells: list[tuple[int, ast.Module]]) -> dict[str, list]:
+    """{name: [(cell, FunctionDef)]} of the notebook's rank functions, plus
+    "<lambda>" for lambdas passed to launch."""
+    defs: dict[str, list] = {}
+    roots: set[str] = set()
+    lambdas: list = []
+    for i, tree in cells:
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defs.setdefault(node.name, []).append((i, node))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _called_name(node)
+            if name == "launch" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Name):
+                    roots.add(first.id)
+                elif isinstance(first, ast.Lambda):
+                    lambdas.append((i, first))
+            elif name and name.startswith("check_"):
+                roots.update(a.id for a in _names_passed(node) if isinstance(a, ast.Name))
+    found, todo = set(), [r for r in roots if r in defs]
+    while todo:  # notebook functions that a rank function calls run on ranks too
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for _, fn in defs[name]:
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                        and node.func.id in defs:
+                    todo.append(node.func.id)
+                for a in _names_passed(node) if isinstance(node, ast.Call) else []:
+                    if isinstance(a, ast.Name) and a.id in defs:  # e.g. launch(fn) inside
+                        todo.append(a.id)
+    out = {name: defs[name] for name in sorted(found)}
+    if lambdas:
+        out["<lambda>"] = lambdas
+    return out
+
+
+def offences(fn: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for each tensor built off the rank's device inside ``fn``."""
+    moved = set()  # factory calls whose result is .to(...)'d at once
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "to" and isinstance(node.func.value, ast.Call):
+            moved.add(id(node.func.value))
+    bad = []
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        f = node.func
+        is_torch = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+            and f.value.id == "torch"
+        if is_torch and f.attr in FACTORIES and "device" not in keywords \
+                and id(node) not in moved:
+            bad.append((node.lineno, f"{ast.unparse(node)[:70]} has no device="))
+        elif _called_name(node) == "build_model" and isinstance(keywords.get("device"),
+                                                                 ast.Constant):
+            bad.append((node.lineno, f"{ast.unparse(node)[:70]} pins the device "
+                                     f"(leave it out: the default is the rank's device)"))
+    return bad
+
+
+def notebook_offences(path: pathlib.Path) -> list[str]:
+    cells = _cells(path)
+    out = []
+    for name, places in rank_functions(cells).items():
+        for cell, fn in places:
+            for line, what in offences(fn):
+                out.append(f"{path.relative_to(ROOT)} cell {cell} line {line} ({name}): {what}")
+    return sorted(set(out))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_rank_functions_build_on_the_ranks_device(path):
+    found = notebook_offences(path)
+    if _chapter(path) in TEMPORARY_ALLOW_LIST:
+        pytest.skip(f"temporarily allowed ({TEMPORARY_ALLOW_LIST[_chapter(path)]}); "
+                    f"{len(found)} offence(s) left")
+    assert not found, "tensors built off the rank's device:\n" + "\n".join(found)
+
+
+def test_temporary_allow_list_names_real_chapters():
+    chapters = {_chapter(p) for p in NOTEBOOKS}
+    assert set(TEMPORARY_ALLOW_LIST) <= chapters, set(TEMPORARY_ALLOW_LIST) - chapters
+
+
+def test_the_scan_sees_what_it_claims(tmp_path):
+    """The scanner flags a factory without device= in a launched function and in
+    what it calls; passes device=, .to(dev), *_like and kernel-only functions."""
+    import nbformat
+
+    from tools.nbtool import write
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in (
+        "%matplotlib inline\nimport torch\nfrom helpers import launch, rank_info",
+        "def make(n):\n    return torch.zeros(n)\n\n"
+        "def fn():\n    dev = rank_info().device\n    a = torch.randn(3, device=dev)\n"
+        "    b = torch.randint(0, 4, (2,), generator=None).to(dev)\n"
+        "    c = torch.zeros_like(a)\n    m = build_model('toy', device='cpu')\n"
+        "    return make(2) + a + b + c",
+        "def plot_only():\n    return torch.ones(3)",
+        "out = launch(fn, 2)\nlaunch(lambda: torch.arange(3), 2)",
+    )]
+    path = tmp_path / "nb.ipynb"
+    write(nb, path)
+    cells = _cells(path)
+    assert set(rank_functions(cells)) == {"fn", "make", "<lambda>"}
+    lines = {(name, line) for name, places in rank_functions(cells).items()
+             for _, f in places for line, _ in offences(f)}
+    assert lines == {("make", 2), ("fn", 9), ("<lambda>", 2)}
+
+
+# runtime: the default follows the rank's device
+
+def _model_device():
+    m = build_model("toy")
+    return str(next(m.parameters()).device), rank_info().device
+
+
+def test_build_model_lands_on_the_ranks_device():
+    for param_dev, rank_dev in launch(_model_device, 2):
+        assert torch.device(param_dev) == torch.device(rank_dev)
+
+
+def test_build_model_default_follows_rank_info(monkeypatch):
+    meta = info_mod.RankInfo(0, 1, 0, "none", "meta")
+    monkeypatch.setattr(info_mod, "_RANK_INFO", meta)
+    assert {p.device.type for p in build_model("toy").parameters()} == {"meta"}
+    assert {p.device.type for p in build_model("toy", device="cpu").parameters()} == {"cpu"}
+    monkeypatch.setattr(info_mod, "_RANK_INFO", None)  # outside a launch: the CPU
+    assert {p.device.type for p in build_model("toy").parameters()} == {"cpu"}
