@@ -102,7 +102,8 @@ def accumulate_token_weighted(model: nn.Module, micro_batches: Sequence,
     if len(micro_batches) == 0:
         raise ValueError("need at least one micro-batch")
     p = world_size(group)
-    count = torch.tensor([float(sum(int(count_fn(b)) for b in micro_batches))])
+    count = torch.tensor([float(sum(int(count_fn(b)) for b in micro_batches))],
+                         device=next(model.parameters()).device)  # where the group reduces
     if p > 1:
         dist.all_reduce(count, group=group)  # 4 bytes: the global number of loss tokens
     n_tokens = int(count.item())

@@ -136,7 +136,7 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
     if global_batch % info.world_size:
         raise ValueError(f"global batch {global_batch} does not split over "
                          f"{info.world_size} ranks")
-    model = build_model(size, dropout=dropout)
+    model = build_model(size, dropout=dropout)  # on the rank's device
     data = make_dataset(vocab_size=model.config.vocab_size, seq_len=seq_len, num_sequences=128)
     sampler = ShardedSampler(len(data), global_batch // info.world_size, info.rank,
                              info.world_size, seed=1)
@@ -179,12 +179,12 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
 
     saver = AsyncSaver(keep=keep) if async_save else None
     losses, samples, stepped = {}, {}, {}
-    device_type = next(model.parameters()).device.type
+    device = next(model.parameters()).device
     for step in range(start, steps):
         idx = next(sampler)
-        x, y = data.batch(idx)
+        x, y = (t.to(device) for t in data.batch(idx))  # the data set lives on the CPU
         # fp16: matmuls in fp16 (autocast), weights and gradients fp32, as torch.amp's recipe
-        with torch.autocast(device_type, dtype=torch.float16, enabled=fp16):
+        with torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
             _, loss = wrapped(x, y)
         if scaler is None:
             loss.backward()
@@ -197,7 +197,7 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
             opt.zero_grad(set_to_none=True)
             scheduler.step()
         losses[step + 1] = _global_mean(loss.detach())
-        samples[step + 1] = _gather_indices(idx)
+        samples[step + 1] = _gather_indices(idx.to(device))
         if (step + 1) % save_every == 0:
             state = training_state(model, opt, step=step + 1, rng=rng, **parts)
             if extras:

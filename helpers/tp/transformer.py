@@ -204,7 +204,7 @@ def torch_tp_block(block: Block, group=None) -> Block:
                                                    parallelize_module)
 
     t = tp_size(group)
-    rows = torch.arange(block.attn.c_attn.out_features)
+    rows = torch.arange(block.attn.c_attn.out_features, device=block.attn.c_attn.weight.device)
     perm = torch.cat([shard(rows, 0, t, r, parts=3) for r in range(t)])  # rank-major q, k, v
     c_attn = copy.deepcopy(block.attn.c_attn)
     with torch.no_grad():
