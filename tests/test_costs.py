@@ -304,3 +304,55 @@ def test_clear_caches_and_placement_math():
     assert (pl.nodes, pl.min_per_node, pl.max_per_node) == (3, 3, 3)
     assert costs.nic_share(topo, 3) == 3
     assert math.isclose(costs.bus_bandwidth(topo, 9, 2), 3 * IB_NDR.bandwidth)
+
+
+# --- chapter 07's contrast: the same GPUs, node-contiguous or scattered ring -----------------
+
+@pytest.mark.parametrize("make,nodes", [(h100_cluster, 8), (a100_cluster, 4), (pcie_cluster, 4)])
+def test_scattered_ring_sends_m_times_more_through_each_nic(make, nodes):
+    # every hop of a scattered ring is a network hop: each of a node's m GPUs sends its
+    # whole share over its k/g NICs, where NCCL's node-contiguous ring sends one GPU's
+    # share per node over the same k NICs. Bandwidth term: exactly m times, unless
+    # NVLink caps the contiguous ring (then less)
+    topo = make(nodes)
+    g, P = topo.gpus_per_node, topo.world_size
+    contiguous = costs.bus_bandwidth(topo, P, 1)
+    scattered = costs.network.scattered_bus_bandwidth(topo)
+    assert scattered == pytest.approx(topo.inter.bandwidth * topo.nics_per_node / g)
+    assert contiguous / scattered == pytest.approx(min(g, topo.intra.bandwidth / scattered))
+    t = costs.network.scattered_ring_time(topo, "all_reduce", 0.0, P)
+    assert t == 0.0
+    lat = costs.network.scattered_ring_time(topo, "all_reduce", 1.0, P) - 2 * (P - 1) / P / scattered
+    assert lat == pytest.approx(2 * (P - 1) * topo.inter.latency)      # every step waits
+    # inside one node there is no network hop to scatter over
+    assert (costs.network.scattered_ring_time(topo, "all_gather", 1e9, g)
+            == costs.ring_time(topo, "all_gather", 1e9, g))
+
+
+@pytest.mark.parametrize("make", [h100_cluster, a100_cluster, pcie_cluster])
+def test_hierarchical_is_chapter_07s_model_built_from_rings(make):
+    # one model: the two-level all-reduce composed from the network module's rings
+    # equals chapter 07's hierarchical formula, on packed or spread rank lists (it
+    # builds its groups from the nodes, so the rank order cannot change it)
+    from helpers.topology import spread_ranks
+    topo = make(4)
+    for N in (1e3, 1e9):
+        composed = costs.network.hierarchical_all_reduce_time(topo, N, topo.world_size)
+        for ranks in (topo.world_size, spread_ranks(topo, topo.world_size)):
+            assert collective_cost(topo, "all_reduce", N, ranks, "hierarchical").time == \
+                pytest.approx(composed, rel=1e-12)
+    with pytest.raises(ValueError, match="whole nodes"):
+        costs.network.hierarchical_all_reduce_time(topo, 1e9, topo.gpus_per_node + 2)
+
+
+def test_where_nccl_beats_its_ring():
+    # Tree: NCCL 2.4's double binary tree pays ceil(log2 n) network latencies each way
+    # where the node-contiguous ring pays n-1: it wins small all-reduces on many nodes
+    topo = h100_cluster(64)
+    small = 1e3
+    assert (collective_cost(topo, "all_reduce", small, 512, "tree").time
+            < costs.ring_time(topo, "all_reduce", small, 512))
+    # NVLS: nccl-tests #212 (NCCL maintainer, 2024): all-reduce on 8 H100s uses NVLink
+    # SHARP by default and reaches ~480 GB/s busbw, above the 450 GB/s line rate that
+    # bounds any ring (the model's ring busbw): the switch does the reduction
+    assert 480e9 > measured_busbw(h100_cluster(1), "all_reduce", BIG, 8) >= 370e9

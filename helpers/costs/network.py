@@ -52,6 +52,15 @@ evaluated on the axis's group. A point-to-point hop (pipeline stages) is one
 message on the slowest link it crosses, the NIC shared by the GPUs of the node
 that send at once.
 
+A ring whose neighbours sit on different nodes (``scattered_ring_time``): NCCL
+orders its rings node by node itself, but a ring run in a rank order that
+alternates nodes (chapter 03's ring on an interleaved rank list, or any
+hand-written ring) makes every hop a network hop. Each GPU then sends all of
+its share through the network, not one GPU per node per channel: each NIC
+carries up to m times more, and all 2(P-1) steps wait for the network.
+A hierarchical all-reduce (``hierarchical_all_reduce_time``) builds its groups
+from the nodes, so it gets the node-contiguous result whatever the rank order.
+
 How production differs: NCCL picks the tree, NVLink SHARP (H100 NVSwitch) or
 CollNet per message size where its model says they beat the ring; LL and LL128
 protocols cut latency for small messages; the Simple protocol's busbw is ~80 %
@@ -71,7 +80,8 @@ from helpers.validate import positive_int
 
 __all__ = ["RING_COLLECTIVES", "COLLECTIVES", "Placement", "placement", "ring_steps",
            "inter_node_steps", "wire_factor", "sent_bytes", "nic_share", "ring_latency",
-           "bus_bandwidth", "ring_time", "all_to_all_time", "collective_time", "p2p_time"]
+           "bus_bandwidth", "ring_time", "scattered_bus_bandwidth", "scattered_ring_time",
+           "hierarchical_all_reduce_time", "all_to_all_time", "collective_time", "p2p_time"]
 
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 COLLECTIVES = RING_COLLECTIVES + ("all_to_all",)
@@ -190,6 +200,43 @@ def ring_time(topo: Topology, collective: str, nbytes: float, size: int,
         return 0.0
     latency, per_byte = _ring(topo, collective, size, stride)
     return latency + per_byte * nbytes
+
+
+def scattered_bus_bandwidth(topo: Topology) -> float:
+    """busbw of a ring in which every hop crosses nodes: each GPU's whole share goes
+    through the network, over its own k / g of the node's NICs (B_nic on a DGX,
+    one NIC per GPU), or NVLink if that is slower."""
+    return min(topo.intra.bandwidth, topo.inter.bandwidth * nic_share(topo, 1))
+
+
+def scattered_ring_time(topo: Topology, collective: str, nbytes: float, size: int) -> float:
+    """Seconds of a ring over the first ``size`` GPUs run in an order whose neighbours
+    sit on different nodes: nsteps network latencies, busbw ``scattered_bus_bandwidth``.
+    Inside one node there is no network hop: the node-contiguous ring's time."""
+    _ring_collective(collective)
+    if not nbytes >= 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    pl = placement(topo, size, 1)
+    if pl.nodes == 1 or nbytes == 0:
+        return ring_time(topo, collective, nbytes, size)
+    return (ring_steps(collective, size) * topo.inter.latency
+            + wire_factor(collective, size) * nbytes / scattered_bus_bandwidth(topo))
+
+
+def hierarchical_all_reduce_time(topo: Topology, nbytes: float, size: int) -> float:
+    """Seconds of the two-level all-reduce on ``size`` GPUs filling whole nodes (or
+    inside one): a ring reduce-scatter inside each node, g rings across nodes on 1/g
+    of the tensor each (one GPU per node: ``ring_time`` with stride g), a ring
+    all-gather inside. The phases run one after another. The groups come from the
+    nodes, not the rank order, so no order can make it cross the network more."""
+    pl = placement(topo, size, 1)
+    if not pl.even:
+        raise ValueError(f"{size} GPUs do not fill whole nodes of {topo.gpus_per_node}")
+    m, n = pl.max_per_node, pl.nodes
+    inside = (ring_time(topo, "reduce_scatter", nbytes, m)
+              + ring_time(topo, "all_gather", nbytes, m))
+    across = ring_time(topo, "all_reduce", nbytes / m, n, topo.gpus_per_node) if n > 1 else 0.0
+    return inside + across
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,16 +12,23 @@ bandwidth B_i per GPU per direction; NIC: a_n, B_n; ``k`` NICs per node.
 Every phase is a sequence of steps; a step costs its slowest hop, alpha + n/beta
 (Hockney 1994; Thakur, Rabenseifner & Gropp 2005, sec. 4).
 
-* ``ring`` (Patarasuk & Yuan 2009): one flat ring in rank order, blind to the
-  hierarchy. With n > 1 it crosses a node boundary n times and every one of its
-  2(P-1) steps waits for a boundary hop, through one NIC:
+* ``ring`` (Patarasuk & Yuan 2009): chapter 03's ring, one channel run step by
+  step in rank order, blind to the hierarchy. With n > 1 every one of its 2(P-1)
+  steps waits for the boundary hop it contains, through one NIC per GPU:
       T = 2(P-1) (a_n + N/P / min(B_i, B_n)).
+  It is what the real-rank demos of chapter 07 run and time. It is *not* the ring
+  NCCL runs: NCCL pipelines a node-contiguous ring per NIC and pays the network
+  latency only 2(n-1) times (``helpers.costs.network.ring_time``, the course's
+  model of it); this flat ring's time is NCCL's model of a ring whose neighbours
+  sit on different nodes (``helpers.costs.network.scattered_ring_time``) when
+  every GPU has a NIC of its own.
 * ``tree``: NCCL's double binary tree (Sanders, Speck & Traeff 2009, "Two-tree
   algorithms for full bandwidth broadcast, reduction and scan"; NCCL 2.4,
   NVIDIA developer blog 2019): a chain inside each node, two complementary
   binary trees across nodes, each carrying half the data, pipelined. Latency
   grows with log2 of the node count; every rank moves ~2N:
-      T = 2((m-1) a_i + ceil(log2 n) a_n) + 2N / B   (B: slowest link crossed)
+      T = 2((m-1) a_i + ceil(log2 n) a_n) + 2N / B
+  (B: NVLink, or the group's k m / g NICs across nodes, one tree per NIC)
   (the latency term is NCCL's own, src/graph/tuning.cc).
 * ``hierarchical`` (the 2D / hierarchical all-reduce of e.g. Jia et al. 2018,
   "Highly scalable deep learning training system with mixed-precision",
@@ -41,11 +48,12 @@ latency is 2(m-1) a_i + 2(n-1) a_n instead of 2(P-1) a_n.
 
 How production differs: NCCL builds several rings ("channels") at once and
 routes each one through the node on NVLink, entering and leaving on different
-NICs, so its flat-looking ring already uses every NIC, like the hierarchical
-scheme does; it picks ring or tree (and protocol) per message size from a
-model much like this one, with per-size correction factors. NVLink SHARP
-(NVLS) on H100 NVSwitch reduces inside the switch and beats every formula
-here inside a node.
+NICs, so its ring already uses every NIC, like the hierarchical scheme does
+(``helpers.costs.network`` prices that ring; chapter 07 compares it with these
+models). It picks ring, tree, NVLS or CollNet (and a protocol) per message size
+from a model much like these, with per-size correction factors. NVLink SHARP
+(NVLS, NCCL 2.17+) on H100 NVSwitch reduces inside the switch and beats every
+formula here inside a node.
 """
 
 from __future__ import annotations
@@ -174,11 +182,14 @@ def _hierarchical(topology, coll, N, n, m):
 
 def _tree(topology, coll, N, n, m):
     intra, inter = topology.intra, topology.inter
-    bw = intra.bandwidth if n == 1 else min(intra.bandwidth, inter.bandwidth)
+    # NCCL runs a tree per channel, one channel per NIC, like its rings: the group's
+    # m GPUs on a node own k m / g of the node's k NICs (helpers.costs.network.nic_share)
+    nics = topology.nics_per_node * m / topology.gpus_per_node
+    bw = intra.bandwidth if n == 1 else min(intra.bandwidth, inter.bandwidth * nics)
     lat = 2 * ((m - 1) * intra.latency + math.ceil(math.log2(n)) * inter.latency)
     t = lat + 2 * N / bw
     cross = 2 * (n - 1) * N  # n-1 tree edges x 2 trees x (N/2 up + N/2 down)
-    return t, cross, cross / n, (("tree latency", lat), ("tree bandwidth", 2 * N / bw))
+    return t, cross, cross / (n * nics), (("tree latency", lat), ("tree bandwidth", 2 * N / bw))
 
 
 def _all_to_all(topology, coll, N, n, m):
