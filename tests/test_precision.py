@@ -442,3 +442,52 @@ def test_amax_all_reduce_gives_every_rank_one_scale():
     assert len(set(locals_)) == 3                       # the ranks saw different data
     assert all(o[1] == max(locals_) for o in out)       # MAX is exact
     assert len({o[2] for o in out}) == 1                # one scale everywhere
+
+
+# ---------------------------------------------------------------- no host synchronisation
+
+def _fp8_layers_on(device, recompute="none"):
+    """An FP8Linear alone (odd K: the padded path too) and a toy GPT swapped to FP8,
+    optionally under recompute with FP8 saved activations, with their inputs on ``device``;
+    returns a function running one forward + backward of both."""
+    lin = FP8Linear(40, 24, device=device)
+    x = torch.randn(20, 40, device=device, requires_grad=True)
+    model = swap_to_fp8(build_model("toy", device=device))
+    store = FP8SavedTensors()
+    apply_recompute(model, recompute, saved_tensor_hooks=store.hooks if recompute != "none" else None)
+    idx = torch.zeros(2, 16, dtype=torch.long, device=device)
+
+    def step():
+        lin(x).sum().backward()
+        model(idx, idx)[1].backward()
+    return lin, step
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fp8_step_reads_nothing_on_the_host(recompute):
+    # Meta tensors carry shapes and dtypes but no values, so every operation that
+    # would read a value on the host (.item(), .cpu(), bool(t), a Python if on a
+    # tensor) raises here -- the same operations that make the CPU wait for the GPU
+    # in a CUDA step. Scales and amax histories must live and update on the device.
+    # (The test fails on the earlier DelayedScaling, which read amax with .cpu().)
+    lin, step = _fp8_layers_on("meta", recompute)
+    for _ in range(3):
+        step()
+    for scaling in (lin.input_scaling, lin.weight_scaling, lin.grad_scaling):
+        assert scaling.amax_history.device.type == "meta" and scaling.scale.device.type == "meta"
+        assert scaling.steps == 3
+
+
+@pytest.mark.gpu
+def test_fp8_step_does_not_synchronize_cuda():
+    # The CUDA version of the test above: torch raises on any synchronizing call
+    # while sync debug mode is "error". The first step
+    # probes _scaled_mm once (a cached host check), so it runs before.
+    _, step = _fp8_layers_on("cuda", "full")
+    step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

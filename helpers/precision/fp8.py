@@ -108,15 +108,23 @@ class DelayedScaling:
     history_len: int = 16
     margin: int = 0
     algo: str = "max"
+    device: torch.device | str | None = None   # where the history and scale live
 
     def __post_init__(self) -> None:
         check_fp8(self.dtype)
         positive_int("history_len", self.history_len)
         if self.algo not in ("max", "most_recent"):
             raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}")
-        self.amax_history = torch.zeros(self.history_len)
-        self.scale = torch.tensor(1.0)
+        self.amax_history = torch.zeros(self.history_len, device=self.device)
+        self.scale = torch.tensor(1.0, device=self.device)
         self.steps = 0
+
+    def _follow(self, device: torch.device) -> None:
+        """Keep the history and scale on the tensor's device (moved once, on first use),
+        so that a step on a GPU never copies them between host and device."""
+        if self.amax_history.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
 
     def quantize(self, x: torch.Tensor, scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +138,14 @@ class DelayedScaling:
         Returns (x8, the scale used)."""
         if scale is not None:
             return quantize(x.detach(), self.dtype, scale.to(x.device)), scale
-        amax = x.detach().abs().max().float().cpu()
+        self._follow(x.device)
+        # amax stays on the device: reading it on the host (.item(), .cpu()) would
+        # make the CPU wait for the GPU three times per layer per step.
+        amax = x.detach().abs().amax().float()
         if self.steps == 0:
             self.scale = fp8_scale(amax, self.dtype, self.margin)
         scale = self.scale
-        x8 = quantize(x.detach(), self.dtype, scale.to(x.device))
+        x8 = quantize(x.detach(), self.dtype, scale)
         self.amax_history, self.scale = update_delayed_scale(
             self.amax_history, amax, self.scale, fp8_max=FP8_MAX[self.dtype],
             margin=self.margin, algo=self.algo)

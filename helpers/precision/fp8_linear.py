@@ -71,9 +71,10 @@ class FP8Linear(nn.Linear):
                  history_len: int = 16, margin: int = 0, algo: str = "max",
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.input_scaling = DelayedScaling(E4M3, history_len, margin, algo)
-        self.weight_scaling = DelayedScaling(E4M3, history_len, margin, algo)
-        self.grad_scaling = DelayedScaling(E5M2, history_len, margin, algo)
+        # the scaling state lives beside the weight, so a GPU step never copies it
+        self.input_scaling = DelayedScaling(E4M3, history_len, margin, algo, device)
+        self.weight_scaling = DelayedScaling(E4M3, history_len, margin, algo, device)
+        self.grad_scaling = DelayedScaling(E5M2, history_len, margin, algo, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "FP8Linear":
