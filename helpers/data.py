@@ -14,6 +14,10 @@ than the chain's *entropy rate*
 and a GPT with any context length can reach it. So a notebook can print
 "loss 1.83, optimum H = 1.79 nats" and mean it.
 
+Devices: the tokens are generated and kept on the CPU (the same values on
+every machine); ``MarkovDataset.batch`` hands a rank its batch on the rank's
+device.
+
 Sharding: ``ShardedSampler`` cuts each *global* batch into ``world_size``
 contiguous slices, rank r taking slice r. The concatenation of the ranks'
 batches is the global batch, so a single-process reference that trains on the
@@ -26,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from helpers.launch.info import rank_device
 
 __all__ = ["MarkovSource", "MarkovDataset", "ShardedSampler", "make_dataset"]
 
@@ -93,9 +99,13 @@ class MarkovDataset(torch.utils.data.Dataset):
         row = self.tokens[i]
         return row[:-1], row[1:]
 
-    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y), each (len(indices), seq_len): gathers rows in one indexing op."""
-        rows = self.tokens[torch.as_tensor(indices, dtype=torch.long)]
+    def batch(self, indices, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each (len(indices), seq_len), on ``device``: gathers rows in one
+        indexing op. ``device=None`` is the calling rank's (``rank_info().device``;
+        the CPU outside a launch): the data set lives on the CPU, the batch a rank
+        trains on goes where its model is."""
+        rows = self.tokens[torch.as_tensor(indices, dtype=torch.long, device="cpu")]
+        rows = rows.to(rank_device(device))
         return rows[:, :-1], rows[:, 1:]
 
 

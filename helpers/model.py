@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers.launch.info import rank_info
+from helpers.launch.info import rank_device
 from helpers.validate import positive_int
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "build_model",
@@ -236,7 +236,7 @@ def build_model(cfg: GPTConfig | str = "toy", seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(cfg)
-    return model.to(rank_info().device if device is None else device)
+    return model.to(rank_device(device))
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

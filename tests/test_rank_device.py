@@ -21,9 +21,9 @@ CPU course. So:
   of those calls by name. Functions that only run in the kernel (plots,
   single-process references, cost formulas) are not rank functions: their
   tensors are the notebook's, and ``launch`` hands results back on the CPU.
-* runtime: ``build_model()`` inside ``launch`` puts its parameters on
-  ``rank_info().device``; with a RankInfo whose device is "meta" the default
-  follows it (no GPU needed to see the rule).
+* runtime: ``build_model()`` and ``MarkovDataset.batch()`` inside ``launch``
+  put their tensors on ``rank_info().device``; with a RankInfo whose device is
+  "meta" the defaults follow it (no GPU needed to see the rule).
 """
 
 import ast
@@ -34,6 +34,7 @@ import torch
 
 import importlib
 from helpers import launch, rank_info
+from helpers.data import make_dataset
 from helpers.model import build_model
 
 info_mod = importlib.import_module("helpers.launch.info")  # helpers.launch is also a function
@@ -208,20 +209,30 @@ def test_the_scan_sees_what_it_claims(tmp_path):
 
 # runtime: the default follows the rank's device
 
-def _model_device():
+def _devices():
     m = build_model("toy")
-    return str(next(m.parameters()).device), rank_info().device
+    x, y = make_dataset(seq_len=8, num_sequences=8).batch(range(2))
+    return str(next(m.parameters()).device), str(x.device), str(y.device), rank_info().device
 
 
-def test_build_model_lands_on_the_ranks_device():
-    for param_dev, rank_dev in launch(_model_device, 2):
-        assert torch.device(param_dev) == torch.device(rank_dev)
+def test_build_model_and_batch_land_on_the_ranks_device():
+    results = launch(_devices, 2, backend="gloo")
+    assert len(results) == 2
+    for *built, rank_dev in results:
+        assert {torch.device(d) for d in built} == {torch.device(rank_dev)}
 
 
-def test_build_model_default_follows_rank_info(monkeypatch):
-    meta = info_mod.RankInfo(0, 1, 0, "none", "meta")
-    monkeypatch.setattr(info_mod, "_RANK_INFO", meta)
+def test_defaults_follow_rank_info(monkeypatch):
+    """A rank whose device is "meta" gets its model and batch there: the
+    default is read from rank_info(), not fixed to the CPU."""
+    data = make_dataset(seq_len=8, num_sequences=8)
+    cpu_x, _ = data.batch([3, 1])
+    monkeypatch.setattr(info_mod, "_RANK_INFO", info_mod.RankInfo(0, 1, 0, "none", "meta"))
     assert {p.device.type for p in build_model("toy").parameters()} == {"meta"}
+    assert {t.device.type for t in data.batch([3, 1])} == {"meta"}
+    # an explicit device still wins
     assert {p.device.type for p in build_model("toy", device="cpu").parameters()} == {"cpu"}
+    assert torch.equal(data.batch([3, 1], device="cpu")[0], cpu_x)
     monkeypatch.setattr(info_mod, "_RANK_INFO", None)  # outside a launch: the CPU
     assert {p.device.type for p in build_model("toy").parameters()} == {"cpu"}
+    assert torch.equal(data.batch([3, 1])[0], cpu_x)

@@ -48,6 +48,13 @@ def rank_info() -> RankInfo:
     return RankInfo(0, 1, 0, "none", "cpu")
 
 
+def rank_device(device=None):
+    """``device`` when given, else the calling rank's device (``rank_info().device``):
+    "cuda:<local_rank>" in an nccl job, "cpu" otherwise and outside a launch. The
+    default of every helper that builds a rank's model or batch."""
+    return rank_info().device if device is None else device
+
+
 def under_torchrun() -> bool:
     return ("RANK" in os.environ and "WORLD_SIZE" in os.environ
             and os.environ.get("_COURSE_POOL_WORKER") != "1")
