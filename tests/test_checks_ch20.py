@@ -1,11 +1,13 @@
 """Chapter 20's checks pass on the solution, fail on the lab's stubs and on plausible mistakes:
-a memory estimate that forgets the optimizer state, a layout whose TP crosses nodes, a
-verdict that ignores the gradients or lets a NaN through."""
+a memory estimate that forgets the optimizer state, a layout whose TP crosses nodes or
+that is not the rule's rung (the planner's winner, the first rung that fits, another
+threshold, a hard-coded GPU), a verdict that ignores the gradients or lets a NaN
+through, mesh groups built consecutive or strided from the wrong side."""
 
 from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch20
 from helpers.memory import GB
-from helpers.planner import Layout, plan
+from helpers.planner import H100_80GB, Layout, ladder, plan
 
 
 def _weights_and_grads(n, dp, tp, pp, zero):  # forgets the optimizer state
@@ -27,6 +29,77 @@ def _deepest_pipeline(model, batch, gpu, topo):
     return max(p.ranked, key=lambda e: (e.layout.pp, e.step_time)).layout
 
 
+def _planner_winner(model, batch, gpu, topo):
+    return plan(model, batch, gpu, topo).best.layout
+
+
+def _first_rung_that_fits(model, batch, gpu, topo):
+    return next(p.best.layout for _, p in ladder(model, batch, gpu, topo) if p.ranked)
+
+
+def _threshold(within):
+    def choose_layout(model, batch, gpu, topo):
+        rungs = [p for _, p in ladder(model, batch, gpu, topo) if p.ranked]
+        fastest = min(p.best.step_time for p in rungs)
+        return next(p.best.layout for p in rungs if p.best.step_time <= (1 + within) * fastest)
+    return choose_layout
+
+
+def _h100_hard_coded(model, batch, gpu, topo):
+    return _threshold(0.05)(model, batch, H100_80GB, topo)
+
+
+def _empty_rung_not_skipped(model, batch, gpu, topo):
+    rungs = [p for _, p in ladder(model, batch, gpu, topo)]
+    fastest = min(p.best.step_time for p in rungs)      # .best of an empty ranking
+    return next(p.best.layout for p in rungs if p.best.step_time <= 1.05 * fastest)
+
+
+def _rung_name(model, batch, gpu, topo):
+    rungs = [(n, p) for n, p in ladder(model, batch, gpu, topo) if p.ranked]
+    fastest = min(p.best.step_time for _, p in rungs)
+    return next(n for n, p in rungs if p.best.step_time <= 1.05 * fastest)
+
+
+def _consecutive(dims, sizes, axis):
+    n, world = sizes[dims.index(axis)], 1
+    for s in sizes:
+        world *= s
+    return [list(range(i, i + n)) for i in range(0, world, n)]
+
+
+def _stride_from_the_front(dims, sizes, axis):
+    # stride = product of the sizes *before* the axis (the mesh read Fortran-style)
+    d, world = dims.index(axis), 1
+    for s in sizes:
+        world *= s
+    stride = 1
+    for s in sizes[:d]:
+        stride *= s
+    groups = {}
+    for r in range(world):
+        key = (r // (stride * sizes[d]), r % stride)
+        groups.setdefault(key, []).append(r)
+    return sorted(groups.values())
+
+
+def _pairs_only(dims, sizes, axis):   # a group of 2 hard-coded, stride right
+    d, world = dims.index(axis), 1
+    for s in sizes:
+        world *= s
+    stride = 1
+    for s in sizes[d + 1:]:
+        stride *= s
+    return sorted([[r, r + stride] for r in range(world) if (r // stride) % 2 == 0
+                   and r + stride < world])
+
+
+def _tensor_groups(dims, sizes, axis):
+    import torch
+    from helpers.checks.ch20 import reference_axis_groups
+    return [torch.tensor(g) for g in reference_axis_groups(dims, sizes, axis)]
+
+
 class TestChapter20(ChapterChecks):
     lab = "labs/20_design_training_stack_lab.ipynb"
     sol = "solutions/20_design_training_stack_solution.ipynb"
@@ -34,6 +107,7 @@ class TestChapter20(ChapterChecks):
         "model_state": Check(ch20.check_model_state, "model_state_gb"),
         "choose_layout": Check(ch20.check_choose_layout),
         "capstone_verdict": Check(ch20.check_capstone_verdict, "capstone_agrees"),
+        "axis_groups": Check(ch20.check_axis_groups),
     }
     wrong = [
         Wrong("model_state", _weights_and_grads, "forgets the optimizer state",
@@ -43,7 +117,25 @@ class TestChapter20(ChapterChecks):
         Wrong("choose_layout", _tp_over_two_nodes, "TP across two nodes",
               says="TP crosses a node"),
         Wrong("choose_layout", _deepest_pipeline, "feasible but slow: the deepest pipeline",
-              says="more than 10% over the planner's"),
+              says="expected .* Step time / fastest by rung"),
+        Wrong("choose_layout", _planner_winner, "the planner's winner",
+              says="fastest rung's layout"),
+        Wrong("choose_layout", _first_rung_that_fits, "the first rung that fits",
+              says="first rung that fits"),
+        Wrong("choose_layout", _threshold(0.10), "10% instead of 5%", says="more than 5% slower"),
+        Wrong("choose_layout", _threshold(0.02), "2% instead of 5%", says="lowest rung within 5%"),
+        Wrong("choose_layout", _h100_hard_coded, "H100 hard-coded", says="A100s"),
+        Wrong("choose_layout", _empty_rung_not_skipped, "a rung where nothing fits not skipped",
+              says="choose_layout .*raised"),
+        Wrong("choose_layout", _rung_name, "returns the rung's name", says="must return"),
+        Wrong("axis_groups", _consecutive, "consecutive ranks for every axis",
+              says="consecutive ranks form a group only"),
+        Wrong("axis_groups", _stride_from_the_front, "stride from the slow side",
+              says="expected"),
+        Wrong("axis_groups", _pairs_only, "groups of 2 hard-coded",
+              says=r"expected \[\[0, 4, 8\]"),
+        Wrong("axis_groups", _tensor_groups, "tensors instead of int lists",
+              says="list of int ranks"),
         Wrong("capstone_verdict",
               lambda r: all(abs(a - b) <= r.bound for a, b in zip(r.losses, r.reference_losses)),
               "ignores the gradients", says="gradients off"),
