@@ -352,6 +352,11 @@ def test_where_nccl_beats_its_ring():
     small = 1e3
     assert (collective_cost(topo, "all_reduce", small, 512, "tree").time
             < costs.ring_time(topo, "all_reduce", small, 512))
+    # and for large messages the ring's full busbw beats the tree's 0.92 of it
+    # (tuning.cc's "busBw*.92"), which is why NCCL keeps the ring there
+    eight = h100_cluster(8)
+    assert (costs.ring_time(eight, "all_reduce", 1e9, 64)
+            < collective_cost(eight, "all_reduce", 1e9, 64, "tree").time)
     # NVLS: nccl-tests #212 (NCCL maintainer, 2024): all-reduce on 8 H100s uses NVLink
     # SHARP by default and reaches ~480 GB/s busbw, above the 450 GB/s line rate that
     # bounds any ring (the model's ring busbw): the switch does the reduction

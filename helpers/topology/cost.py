@@ -27,8 +27,9 @@ Every phase is a sequence of steps; a step costs its slowest hop, alpha + n/beta
   NVIDIA developer blog 2019): a chain inside each node, two complementary
   binary trees across nodes, each carrying half the data, pipelined. Latency
   grows with log2 of the node count; every rank moves ~2N:
-      T = 2((m-1) a_i + ceil(log2 n) a_n) + 2N / B
-  (B: NVLink, or the group's k m / g NICs across nodes, one tree per NIC)
+      T = 2((m-1) a_i + ceil(log2 n) a_n) + 2N / (0.92 B)
+  (B: NVLink, or the group's k m / g NICs across nodes, one tree per NIC; 0.92:
+  NCCL's own correction for the tree's bandwidth, src/graph/tuning.cc)
   (the latency term is NCCL's own, src/graph/tuning.cc).
 * ``hierarchical`` (the 2D / hierarchical all-reduce of e.g. Jia et al. 2018,
   "Highly scalable deep learning training system with mixed-precision",
@@ -68,6 +69,7 @@ __all__ = ["Cost", "layout", "packed_ranks", "spread_ranks", "collective_cost",
            "all_reduce_time", "ALGORITHMS", "COLLECTIVES"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+TREE_BW_FACTOR = 0.92   # NCCL's tree all-reduce bandwidth correction (src/graph/tuning.cc)
 ALGORITHMS = {"all_reduce": ("ring", "tree", "hierarchical"),
               "reduce_scatter": ("ring", "hierarchical"),
               "all_gather": ("ring", "hierarchical"),
@@ -186,6 +188,9 @@ def _tree(topology, coll, N, n, m):
     # m GPUs on a node own k m / g of the node's k NICs (helpers.costs.network.nic_share)
     nics = topology.nics_per_node * m / topology.gpus_per_node
     bw = intra.bandwidth if n == 1 else min(intra.bandwidth, inter.bandwidth * nics)
+    # tuning.cc (NCCL 2.28, ncclTopoTuneModel) charges the tree all-reduce 0.92 of that
+    # bus bandwidth ("busBw*.92"): its chunks take two directions through each node
+    bw *= TREE_BW_FACTOR
     lat = 2 * ((m - 1) * intra.latency + math.ceil(math.log2(n)) * inter.latency)
     t = lat + 2 * N / bw
     cross = 2 * (n - 1) * N  # n-1 tree edges x 2 trees x (N/2 up + N/2 down)
