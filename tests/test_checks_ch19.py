@@ -19,6 +19,43 @@ def _translate_dp_without_pp(flags, world):
                 recompute=flags.get("--recompute-granularity", "none"))
 
 
+def _translate(precision_rule):
+    """The right translation but for the number format: ``precision_rule(flags)`` ->
+    (precision, main_grads_fp32, loss_scaling)."""
+    def translate(flags, world):
+        tp = int(flags.get("--tensor-model-parallel-size", 1))
+        pp = int(flags.get("--pipeline-model-parallel-size", 1))
+        dp = world // (tp * pp)
+        micro = int(flags.get("--micro-batch-size", 1))
+        glob = int(flags.get("--global-batch-size", micro * dp))
+        precision, main_fp32, scaling = precision_rule(flags)
+        return Plan(dp=dp, tp=tp, pp=pp, micro_batch=micro, grad_accum=glob // (micro * dp),
+                    global_batch=glob,
+                    zero_stage=1 if "--use-distributed-optimizer" in flags else 0,
+                    sequence_parallel="--sequence-parallel" in flags,
+                    recompute=flags.get("--recompute-granularity", "none"),
+                    precision=precision, main_grads_fp32=main_fp32, loss_scaling=scaling)
+    return translate
+
+
+def _fmt(flags):
+    return "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
+
+
+def _scaling(flags):
+    return "dynamic" if "--fp16" in flags else None
+
+
+def _memory_16_bytes(plan, model):   # 2 + 2 + 12 whatever the plan's precision
+    states = model_state_bytes(model.total_params() / (plan.tp * plan.pp),
+                               dp=plan.shard_ranks, zero_stage=plan.zero_stage).total
+    act = activation_bytes_model(model.seq, plan.micro_batch, model.hidden, model.heads,
+                                 model.layers, tp=plan.tp, pp=plan.pp,
+                                 sequence_parallel=plan.sequence_parallel,
+                                 recompute=plan.recompute, vocab=model.vocab)
+    return states + act
+
+
 def _memory(forget_optimizer=False, forget_activations=False):
     def per_gpu_memory(plan, model):
         w, g, o = bytes_per_param(plan)
@@ -47,6 +84,14 @@ class TestChapter19(ChapterChecks):
     wrong = [
         Wrong("translate", _translate_dp_without_pp, "dp forgets the pipeline's GPUs",
               says="dp should be 8, got 128"),
+        Wrong("translate", _translate(lambda f: ("bf16", True, None)),
+              "precision left at the Plan's default", says="precision should be 'fp32'"),
+        Wrong("translate", _translate(lambda f: (_fmt(f), False, _scaling(f))),
+              "bf16 gradients in bf16 (4 + 12/d)", says="main_grads_fp32 should be True"),
+        Wrong("translate", _translate(lambda f: (_fmt(f), _fmt(f) != "fp32", _scaling(f))),
+              "fp32 main gradients for fp16 too", says="main_grads_fp32 should be False"),
+        Wrong("per_gpu_memory", _memory_16_bytes, "16 bytes per parameter whatever the plan",
+              says="gradients counted at 2 bytes"),
         Wrong("per_gpu_memory", _memory(forget_optimizer=True), "forgets the optimizer state",
               says="optimizer state is missing"),
         Wrong("per_gpu_memory", _memory(forget_activations=True), "forgets the activations",

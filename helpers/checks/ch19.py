@@ -10,16 +10,21 @@ from helpers.memory import GB
 __all__ = ["check_translate", "check_per_gpu_memory", "TRANSLATE_FIELDS"]
 
 TRANSLATE_FIELDS = ("dp", "tp", "pp", "zero_stage", "sequence_parallel", "recompute",
-                    "micro_batch", "grad_accum", "global_batch")
+                    "micro_batch", "grad_accum", "global_batch", "precision",
+                    "main_grads_fp32")
 
+# each command line is there for a mistake (check_translate's docstring)
 _FLAG_CASES = [
     ({"--tensor-model-parallel-size": 8, "--pipeline-model-parallel-size": 16,
       "--micro-batch-size": 1, "--global-batch-size": 1536, "--sequence-parallel": True,
-      "--use-distributed-optimizer": True, "--recompute-granularity": "selective"}, 1024),
+      "--use-distributed-optimizer": True, "--recompute-granularity": "selective",
+      "--bf16": True}, 1024),
     ({"--tensor-model-parallel-size": 2, "--micro-batch-size": 4,
       "--global-batch-size": 64}, 8),
     ({"--pipeline-model-parallel-size": 4, "--micro-batch-size": 2,
-      "--global-batch-size": 512, "--recompute-granularity": "full"}, 64),
+      "--global-batch-size": 512, "--recompute-granularity": "full", "--fp16": True}, 64),
+    ({"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 3,
+      "--micro-batch-size": 1, "--global-batch-size": 48, "--bf16": True}, 24),
     ({}, 4),
 ]
 
@@ -33,7 +38,16 @@ def _as_args(flags: dict) -> list[str]:
 
 def check_translate(learner_fn) -> None:
     """``learner_fn(flags: dict, world_size) -> Plan`` agrees with ``from_megatron`` on
-    the fields in TRANSLATE_FIELDS."""
+    the fields in TRANSLATE_FIELDS.
+
+    Mistakes it is built to catch: dp = world / tp (the pipeline's GPUs forgotten:
+    every case with pp > 1); a batch identity without dp; the precision left at the
+    Plan's default bf16 (Megatron without --bf16 / --fp16 trains in fp32: the
+    8- and 4-GPU lines); bf16 without fp32 main gradients (Megatron accumulates and
+    reduces a bf16 model's gradients in fp32, 6 + 12/d bytes per parameter with the
+    distributed optimizer, not 4 + 12/d); main gradients fp32 for fp16 too (the fp16
+    optimizer keeps 16-bit gradients and copies them); a pp of 3 on 24 GPUs so that
+    a hard-coded power of two fails."""
     for flags, world in _FLAG_CASES:
         want = from_megatron(_as_args(flags), world)
         got = attempt(learner_fn, dict(flags), world, what="translate")
@@ -47,6 +61,11 @@ def check_translate(learner_fn) -> None:
                     hint = " (dp is what the world leaves after tp x pp)"
                 elif f == "grad_accum":
                     hint = " (global = micro x accumulation x dp)"
+                elif f == "precision":
+                    hint = " (--bf16, --fp16, or neither: Megatron then trains in fp32)"
+                elif f == "main_grads_fp32":
+                    hint = (" (Megatron accumulates and reduces a bf16 model's gradients in "
+                            "fp32 by default; an fp16 model keeps 16-bit gradients)")
                 raise CheckFailed(f"flags {flags} on {world} GPUs: {f} should be {w!r}, "
                                   f"got {g!r}{hint}")
     passed(f"Megatron flags translated: {', '.join(TRANSLATE_FIELDS)} agree with "
@@ -73,7 +92,12 @@ def _memory_cases():
 
 def check_per_gpu_memory(learner_fn) -> None:
     """``learner_fn(plan, model) -> bytes`` on the busiest GPU: weights + gradients +
-    optimizer state (after tp x pp splitting and ZeRO sharding) + activations."""
+    optimizer state (after tp x pp splitting and ZeRO sharding) + activations.
+
+    Mistakes it is built to catch: the optimizer state or the activations left out;
+    the model state not split over tp x pp; 16 bytes per parameter whatever the plan
+    (the GPT-3 plans keep fp32 main gradients: 2 + 4 + 12); ZeRO ignored (the ZeRO-1
+    and ZeRO-2 plans)."""
     for what, plan, model, cluster in _memory_cases():
         est = estimate(plan, model, cluster)
         want = est.memory_total
@@ -87,7 +111,11 @@ def check_per_gpu_memory(learner_fn) -> None:
         if abs(got - want) <= 1e-9 * want:
             continue
         hint = ""
-        if abs(got - (want - parts["optimizer state"])) <= 1e-6 * want:
+        two_byte_grads = want - parts["gradients"] / 2 if plan.main_grads_fp32 else None
+        if two_byte_grads is not None and abs(got - two_byte_grads) <= 1e-6 * want:
+            hint = (" (gradients counted at 2 bytes: this plan keeps fp32 main gradients, "
+                    "4 bytes each; bytes_per_param(plan) has them)")
+        elif abs(got - (want - parts["optimizer state"])) <= 1e-6 * want:
             hint = " (the optimizer state is missing: fp32 master weights + Adam m and v)"
         elif abs(got - (want - parts["activations"])) <= 1e-6 * want:
             hint = " (the activations are missing)"
