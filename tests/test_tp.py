@@ -409,3 +409,28 @@ def ranks(request):
     t = request.param
     res = launch(_everything, t, timeout=240)
     return {"t": t, **{k: [r[k] for r in res] for k in res[0]}}
+
+
+def test_tp_comm_time_is_nccls_ring_from_the_network_model():
+    # chapter 09 prices TP with the one network model (helpers.costs.network): inside a
+    # node it is chapter 03's ring on NVLink; across nodes NCCL's ring per NIC, and a
+    # group strided one GPU per node gets one NIC (every hop over the network)
+    from helpers.costs import network
+    from helpers.tp.cost import (LINKS, tp_comm_time, tp_efficiency, tp_layer_comm_time,
+                                 tp_topology)
+
+    h, tokens = 4096, 4096
+    for t in (2, 4, 8):
+        assert tp_comm_time(h, tokens, t) == pytest.approx(
+            tp_layer_comm_time(h, tokens, t, LINKS["nvlink"]), rel=1e-12)
+    for t, stride in ((16, 1), (16, 8), (32, 1)):
+        topo = tp_topology(t, stride)
+        assert topo.world_size >= (t - 1) * stride + 1
+        want = 4 * network.ring_time(topo, "all_reduce", tokens * h * 2, t, stride)
+        assert tp_comm_time(h, tokens, t, stride=stride) == pytest.approx(want, rel=1e-12)
+        lat, bw = tp_comm_time(h, tokens, t, stride=stride, parts=True)
+        assert lat == pytest.approx(4 * network.ring_latency(topo, "all_reduce", t, stride))
+        assert lat + bw == pytest.approx(want)
+    # one NIC per group costs more than a NIC per GPU of the node
+    assert tp_efficiency(16, h, tokens, 2048, stride=8) < tp_efficiency(16, h, tokens, 2048)
+    assert tp_comm_time(h, tokens, 1) == 0.0
