@@ -1,5 +1,6 @@
 """Chapter 02's checks pass on the solution, fail on the lab's stub and on plausible mistakes."""
 
+import torch
 import torch.distributed as dist
 
 from checks_harness import ChapterChecks, Check, Wrong
@@ -24,6 +25,35 @@ def _local_only(model):  # never communicates
     pass
 
 
+def _thirds(model):  # divides by 3, the world size of the first run it was tried on
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(3)
+
+
+def _weights_only(model):  # averages matrices, skips biases and norms (dim 1)
+    for p in model.parameters():
+        if p.grad is not None and p.dim() > 1:
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+
+
+def _flat_no_view(model):  # one flat all-reduce, copied back without reshaping: raises
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece) if g.dim() == 1 else g.copy_(piece.view(-1, 1))
+
+
+def _grads_none(model):  # averages into new tensors, then clears .grad
+    for p in model.parameters():
+        avg = p.grad.clone()
+        dist.all_reduce(avg)
+        p.grad = None
+
+
 def _whole_batch_step(model, opt, x, y):  # every rank repeats the whole batch
     opt.zero_grad()
     loss = model(x, y)[1]
@@ -39,6 +69,59 @@ def _no_zero_grad_step(model, opt, x, y):  # gradients pile up across steps
     loss = model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1]
     loss.backward()
     ch02_average(model)
+    opt.step()
+    return float(loss.detach())
+
+
+def _two_rows(model, opt, x, y):  # a slice width hard-coded from the 3-rank run
+    r = rank_info().rank
+    opt.zero_grad()
+    loss = model(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])[1]
+    loss.backward()
+    ch02_average(model)
+    opt.step()
+    return float(loss.detach())
+
+
+def _logs_mean_loss(model, opt, x, y):  # right step, but logs the loss averaged over ranks
+    r, p = rank_info().rank, rank_info().world_size
+    b = x.size(0) // p
+    opt.zero_grad()
+    loss = model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1]
+    loss.backward()
+    ch02_average(model)
+    opt.step()
+    logged = loss.detach().clone()
+    dist.all_reduce(logged)
+    return float(logged) / p
+
+
+def _loss_after_step(model, opt, x, y):  # right step, returns the loss recomputed after it
+    r, p = rank_info().rank, rank_info().world_size
+    b = x.size(0) // p
+    opt.zero_grad()
+    model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1].backward()
+    ch02_average(model)
+    opt.step()
+    with torch.no_grad():
+        return float(model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1])
+
+
+def _returns_none(model, opt, x, y):  # right step, forgets `return loss`
+    r, p = rank_info().rank, rank_info().world_size
+    b = x.size(0) // p
+    opt.zero_grad()
+    model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1].backward()
+    ch02_average(model)
+    opt.step()
+
+
+def _no_average_step(model, opt, x, y):  # steps on local gradients: replicas drift apart
+    r, p = rank_info().rank, rank_info().world_size
+    b = x.size(0) // p
+    opt.zero_grad()
+    loss = model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1]
+    loss.backward()
     opt.step()
     return float(loss.detach())
 
@@ -61,6 +144,18 @@ class TestChapter02(ChapterChecks):
         Wrong("average_gradients", _halves, "divides by a hard-coded 2",
               says="not by a fixed number"),
         Wrong("average_gradients", _local_only, "never communicates", says="own gradient"),
+        Wrong("average_gradients", _thirds, "divides by a hard-coded 3",
+              says="not by a fixed number"),
+        Wrong("average_gradients", _weights_only, "skips 1-D parameters", says="own gradient"),
+        Wrong("average_gradients", _flat_no_view, "copies a flat buffer back without a view",
+              says="failed on a rank: rank . raised RuntimeError"),
+        Wrong("average_gradients", _grads_none, "sets .grad to None", says="is None"),
+        Wrong("dp_step", _two_rows, "a slice width hard-coded to 2 rows", says="rank.s slice"),
+        Wrong("dp_step", _logs_mean_loss, "returns the loss averaged over ranks",
+              says="not the loss averaged"),
+        Wrong("dp_step", _loss_after_step, "returns the loss after the step", says="before the step"),
+        Wrong("dp_step", _returns_none, "returns None", says="should return this rank's loss"),
+        Wrong("dp_step", _no_average_step, "never averages", says="average, then step"),
         Wrong("dp_step", _whole_batch_step, "every rank repeats the whole batch", says="own slice"),
         Wrong("dp_step", _no_zero_grad_step, "gradients pile up across steps",
               says="Zero the gradients"),

@@ -1,7 +1,9 @@
 """Checks for chapter 02: naive data parallelism equals one process on the global batch.
 
 The learner's functions run on real ranks (``launch``); the reference is one
-process on the whole global batch.
+process on the whole global batch. Every check runs on two world sizes, 3 and 4:
+at one size a number hard-coded to that size (``/ 3``, a slice of a fixed width)
+gives the right answer, at two it cannot.
 """
 
 from __future__ import annotations
@@ -11,12 +13,19 @@ import torch
 from helpers.checks import CheckFailed, on_ranks, passed
 from helpers.tolerance import within_fp32_noise
 
-WORLD = 3  # 3 ranks: catches a hard-coded "/ 2" and uneven ring chunks
+# 3 ranks: catches a hard-coded "/ 2"; 4 ranks: catches a "/ 3" written for the first run
+WORLDS = (3, 4)
 
 
-def _data(world_size: int, micro: int = 2, steps: int = 1):
+# rows per rank: differs between the two world sizes, so a slice width hard-coded
+# from the first run (``x[2 * r:2 * r + 2]``) takes the wrong rows in the second
+MICRO = {3: 2, 4: 3}
+
+
+def _data(world_size: int, steps: int = 1):
     from helpers.data import make_dataset
 
+    micro = MICRO[world_size]
     data = make_dataset(seq_len=16, num_sequences=64)
     g = world_size * micro
     return [data.batch(range(s * g, (s + 1) * g)) for s in range(steps)]
@@ -29,8 +38,9 @@ def _ranked_grads(average_gradients):
 
     r, p = rank_info().rank, rank_info().world_size
     x, y = _data(p)[0]
+    m = MICRO[p]
     model = build_model("toy", seed=0)
-    model(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])[1].backward()
+    model(x[m * r:m * (r + 1)], y[m * r:m * (r + 1)])[1].backward()
     average_gradients(model)
     return [q.grad.clone() if q.grad is not None else None for q in model.parameters()]
 
@@ -49,26 +59,47 @@ def _probe_step(fn):
     fn(model, torch.optim.SGD(model.parameters(), lr=0.0), x, x)
 
 
-def _local_grad(rank: int, name: str) -> torch.Tensor:
+def _local_grad(rank: int, world: int, name: str) -> torch.Tensor:
     """The gradient rank ``rank`` computes on its own slice, before any averaging."""
     from helpers.model import build_model
 
     model = build_model("toy", seed=0)
-    x, y = _data(WORLD)[0]
-    model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])[1].backward()
+    x, y = _data(world)[0]
+    m = MICRO[world]
+    model(x[m * rank:m * (rank + 1)], y[m * rank:m * (rank + 1)])[1].backward()
     return dict(model.named_parameters())[name].grad
 
 
 def check_average_gradients(average_gradients) -> None:
-    """``average_gradients(model)`` on 3 ranks: every ``.grad`` becomes the global-batch grad."""
-    from helpers.model import build_model
+    """``average_gradients(model)`` on 3 and 4 ranks: every ``.grad`` becomes the
+    global-batch gradient.
 
+    Catches:
+    * forgets to divide: the sum is p times the mean (any world size);
+    * divides by a fixed number (``/ 2``, or ``/ 3`` tuned on a first run): the
+      4-rank run (and the 3-rank one for ``/ 2``) is off by p/that number;
+    * never communicates: the rank's own gradient comes back (named as such);
+    * averages only some parameters (e.g. skips biases or stops early): the
+      first parameter that differs is named;
+    * sets ``p.grad`` to None or replaces it with a non-tensor: named per tensor;
+    * raises (a typo, a wrong collective argument): the rank's error, as CheckFailed.
+    """
     if not callable(average_gradients):
         raise CheckFailed(f"average_gradients should be a function, got {average_gradients!r}")
-    results = on_ranks(_ranked_grads, WORLD, average_gradients, what="average_gradients",
-                       probe=lambda: _probe_model(average_gradients))
+    for world in WORLDS:
+        results = on_ranks(_ranked_grads, world, average_gradients, what="average_gradients",
+                           probe=lambda: _probe_model(average_gradients))
+        _compare_grads(results, world)
+    n = len(results[0])
+    passed(f"averaged gradients on {' and '.join(map(str, WORLDS))} ranks equal one process "
+           f"on the global batch ({n} tensors, within float32 rounding)")
+
+
+def _compare_grads(results: list, world: int) -> None:
+    from helpers.model import build_model
+
     ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
-    x, y = _data(WORLD)[0]
+    x, y = _data(world)[0]
     ref(x, y)[1].backward()
     ref64(x, y)[1].backward()  # float64: the exact answer, to ~1e-16
     names = [n for n, _ in ref.named_parameters()]
@@ -76,23 +107,26 @@ def check_average_gradients(average_gradients) -> None:
         for name, got, want, want64 in zip(names, grads, (q.grad for q in ref.parameters()),
                                            (q.grad for q in ref64.parameters())):
             if got is None:
-                raise CheckFailed(f"rank {rank}: {name}.grad is None after averaging")
+                raise CheckFailed(f"{world} ranks, rank {rank}: {name}.grad is None after "
+                                  f"averaging; average it in place (p.grad), keep it a tensor")
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                raise CheckFailed(f"{world} ranks, rank {rank}: {name}.grad should stay a "
+                                  f"tensor of shape {tuple(want.shape)}, got {got!r:.80}")
             # fp32, another summation order than one process: as close to
             # float64 as the fp32 reference is (helpers.tolerance)
             if within_fp32_noise(got, want, want64)[0]:
                 continue
             ratio = float(got.norm() / want.norm())
             hint = ""
-            if abs(ratio - WORLD) < 0.01:
-                hint = f" It is {WORLD}x too large: sum, then divide by the world size."
-            elif abs(ratio - WORLD / 2) < 0.01:
-                hint = " Divide by dist.get_world_size(), not by a fixed number."
-            elif torch.allclose(got, _local_grad(rank, name), rtol=1e-5, atol=1e-7):
-                hint = " It is this rank's own gradient: did the all-reduce run?"
-            raise CheckFailed(f"rank {rank}: {name}.grad differs from the global-batch gradient "
-                              f"(norm ratio {ratio:.3f}).{hint}")
-    passed(f"averaged gradients on {WORLD} ranks equal one process on the global batch "
-           f"({len(names)} tensors, within float32 rounding)")
+            if abs(ratio - world) < 0.01:
+                hint = f" It is {world}x too large: sum, then divide by the world size."
+            elif any(abs(ratio - world / k) < 0.01 for k in range(1, 9) if k != world):
+                hint = (f" It is {ratio:.3f} = {world}/{round(world / ratio)} times the mean: "
+                        f"divide by dist.get_world_size(), not by a fixed number.")
+            elif torch.allclose(got, _local_grad(rank, world, name), rtol=1e-5, atol=1e-7):
+                hint = " It is this rank's own gradient: did the all-reduce run on it?"
+            raise CheckFailed(f"{world} ranks, rank {rank}: {name}.grad differs from the "
+                              f"global-batch gradient (norm ratio {ratio:.3f}).{hint}")
 
 
 STEPS = 3
@@ -107,55 +141,89 @@ def _ranked_training(dp_step):
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for x, y in _data(p, steps=STEPS):
-        losses.append(float(dp_step(model, opt, x, y)))
+        loss = dp_step(model, opt, x, y)
+        # the lab states a float (or a 0-d tensor, as float() takes it); keep what came
+        # back when it is neither, to name it on the caller's side
+        ok = isinstance(loss, (float, int)) and not isinstance(loss, bool) or \
+            isinstance(loss, torch.Tensor) and loss.numel() == 1
+        losses.append(float(loss) if ok else repr(loss)[:80])
     return {k: v.clone() for k, v in model.state_dict().items()}, losses
 
 
-def _reference_training(dtype: torch.dtype) -> dict:
-    """One process, the whole global batch, STEPS steps, in ``dtype``."""
+def _reference_training(dtype: torch.dtype, world: int) -> tuple[dict, list]:
+    """One process, the whole global batch, STEPS steps, in ``dtype``; and before each
+    step, the loss of each rank's slice (what each rank's dp_step returns)."""
     from helpers.model import build_model
 
     ref = build_model("toy", seed=0).to(dtype)
     opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    for x, y in _data(WORLD, steps=STEPS):
+    slice_losses = []
+    for x, y in _data(world, steps=STEPS):
+        b = x.size(0) // world
+        with torch.no_grad():
+            slice_losses.append([ref(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1]
+                                 for r in range(world)])
         opt.zero_grad()
         ref(x, y)[1].backward()
         opt.step()
-    return ref.state_dict()
+    return ref.state_dict(), slice_losses
 
 
 def check_dp_step(dp_step) -> None:
-    """``dp_step(model, opt, x_global, y_global) -> local loss`` for 3 steps on 3 ranks
-    leaves the same weights as one process stepping on the whole global batch."""
-    from helpers.model import build_model
+    """``dp_step(model, opt, x_global, y_global) -> local loss`` for 3 steps on 3 and 4
+    ranks leaves the same weights as one process stepping on the whole global batch.
 
+    Catches:
+    * every rank computes on the whole batch, or on a slice hard-coded for one run
+      (a width of 2 rows, ``// 3``): the 4-rank run has 3 rows per rank (MICRO), so
+      the returned loss of step 1 is not the loss of the rank's slice;
+    * forgets ``zero_grad``: gradients pile up, the weights drift from step 2 on;
+    * logs a wrong loss (the all-reduced mean, the loss before the step of an earlier
+      batch, the whole batch's loss beside a correct slice): every step's returned
+      loss is compared, not only the weights;
+    * returns nothing (None) or a non-number: named, with the lab's stated type;
+    * forgets to average (steps on local gradients) or steps twice: weights differ;
+    * raises: the rank's error, as CheckFailed.
+    """
     if not callable(dp_step):
         raise CheckFailed(f"dp_step should be a function, got {dp_step!r}")
-    results = on_ranks(_ranked_training, WORLD, dp_step, what="dp_step",
-                       probe=lambda: _probe_step(dp_step))
-    want, want64 = (_reference_training(dtype) for dtype in (torch.float32, torch.float64))
-    fresh, fresh64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
-    x, y = _data(WORLD, steps=1)[0]
-    b = x.size(0) // WORLD
-    for rank, (_, losses) in enumerate(results):
-        with torch.no_grad():
-            mine = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
-            own, own64 = fresh(*mine)[1], fresh64(*mine)[1]
-        # the same forward on the same slice, maybe with other kernels or
-        # threads: within float32 rounding (helpers.tolerance)
-        if not within_fp32_noise(torch.tensor(losses[0]), own, own64)[0]:
-            own = float(own)
-            raise CheckFailed(f"rank {rank}: first loss {losses[0]:.5f}, but the loss on this "
-                              f"rank's slice is {own:.5f}. Each rank must compute on its own "
-                              f"slice only (rows {rank * b}..{(rank + 1) * b - 1}), or the "
-                              f"ranks repeat each other's work.")
+    for world in WORLDS:
+        results = on_ranks(_ranked_training, world, dp_step, what="dp_step",
+                           probe=lambda: _probe_step(dp_step))
+        _compare_training(results, world)
+    passed(f"{STEPS} naive-DP steps on {' and '.join(map(str, WORLDS))} ranks match one "
+           f"process on the global batch (weights and every step's local loss)")
+
+
+def _compare_training(results: list, world: int) -> None:
+    (want, losses), (want64, losses64) = (_reference_training(dtype, world)
+                                          for dtype in (torch.float32, torch.float64))
+    b = _data(world)[0][0].size(0) // world
+    # weights first: a forgotten zero_grad shows as drifting weights, named as such,
+    # before the losses computed on those weights drift too
     for rank, (state, _) in enumerate(results):
         for k, v in want.items():
             # another summation order than one process: float32 rounding only
             if not within_fp32_noise(state[k], v, want64[k])[0]:
                 raise CheckFailed(
-                    f"rank {rank}: after {STEPS} steps {k} differs from the single-process run "
-                    f"by {float((state[k] - v).abs().max()):.2e}. Zero the gradients each step, "
-                    f"use this rank's slice (rank r takes rows r*b..(r+1)*b of the global "
-                    f"batch), average, then step.")
-    passed(f"{STEPS} naive-DP steps on {WORLD} ranks match one process on the global batch")
+                    f"{world} ranks, rank {rank}: after {STEPS} steps {k} differs from the "
+                    f"single-process run by {float((state[k] - v).abs().max()):.2e}. Zero the "
+                    f"gradients each step, use this rank's slice (rank r takes rows "
+                    f"r*b..(r+1)*b of the global batch), average, then step once.")
+    for rank, (_, got) in enumerate(results):
+        for step, loss in enumerate(got):
+            if isinstance(loss, str):
+                raise CheckFailed(f"{world} ranks, rank {rank}, step {step + 1}: dp_step "
+                                  f"should return this rank's loss (a float), got {loss}")
+            own, own64 = losses[step][rank], losses64[step][rank]
+            # the same forward on the same slice and weights, maybe other kernels:
+            # within float32 rounding (helpers.tolerance)
+            if within_fp32_noise(torch.tensor(loss), own, own64)[0]:
+                continue
+            hint = (f"Each rank must compute on its own slice only (rows {rank * b}.."
+                    f"{(rank + 1) * b - 1} of the global batch, b = batch / world size), "
+                    f"and return that slice's loss before the step"
+                    + (", not the loss averaged over ranks." if step == 0 else "."))
+            raise CheckFailed(f"{world} ranks, rank {rank}, step {step + 1}: returned loss "
+                              f"{loss:.5f}, but the loss on this rank's slice is "
+                              f"{float(own):.5f}. {hint}")
