@@ -2,6 +2,8 @@
 that names a waiting rank, and on plausible wrong fixes; the broken functions' diffs
 name the ranks the diagnosis check expects."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ class TestChapter18(ChapterChecks):
         "fix 2": Check(ch18.check_fixed, 2, "fixed_log_on_rank0"),
         "fix 3": Check(ch18.check_fixed, 3, "fixed_uneven_shards"),
     }
+    uses = {"diagnose": ("first_disagreement",)}
     wrong = [
         *(Wrong("diagnosis", _naming(n, rank), f"bug {n}: names waiting rank {rank}",
                 says=f"bug {n}: you named rank {rank}") for n, rank in ((1, 0), (2, 1), (3, 2))),
@@ -58,3 +61,95 @@ def test_the_reference_is_data_parallel_sgd():
         w.grad = None
     # float64; two summation orders of the same 12 terms: ~1e-15 apart
     assert torch.allclose(ch18.reference(), w.detach(), rtol=0, atol=1e-12)
+
+
+# -- exercise 1: the cross-rank diff, and the mistakes its check is built to catch --------
+
+def _diff_vs_rank0(calls):
+    """Compares every rank with rank 0 instead of with the majority."""
+    ranks = sorted(calls)
+    for i in range(max(len(calls[r]) for r in ranks)):
+        present = {r: calls[r][i] for r in ranks if i < len(calls[r])}
+        odd = [r for r in present if present[r] != present.get(ranks[0])]
+        if odd:
+            return i, sorted(odd)
+        missing = [r for r in ranks if r not in present]
+        if missing:
+            return i, missing
+    return None
+
+
+def _diff_zip(calls):
+    """zip() over the lists: stops at the shortest, so a rank that stopped is never seen."""
+    ranks = sorted(calls)
+    for i, row in enumerate(zip(*(calls[r] for r in ranks))):
+        counts = Counter(row)
+        if len(counts) > 1:
+            ref = counts.most_common(1)[0][0]
+            return i, [r for r, c in zip(ranks, row) if c != ref]
+    return None
+
+
+def _diff_all_short(calls, one_based=False, dict_order=False, tie_by_dict=False,
+                    vote_missing=False):
+    """The right walk with one mistake switched on."""
+    ranks = list(calls) if dict_order or tie_by_dict else sorted(calls)
+    longest = max(len(v) for v in calls.values())
+    for i in range(longest):
+        if vote_missing:
+            present = {r: calls[r][i] if i < len(calls[r]) else None for r in ranks}
+        else:
+            present = {r: calls[r][i] for r in ranks if i < len(calls[r])}
+        counts = Counter(present.values())
+        if len(counts) > 1:
+            ref = counts.most_common(1)[0][0] if tie_by_dict else next(
+                present[r] for r in sorted(present) if counts[present[r]] == max(counts.values()))
+            odd = [r for r in present if present[r] != ref]
+            return i + one_based, odd if dict_order else sorted(odd)
+        missing = [r for r in ranks if r not in present]
+        if missing:
+            return i + one_based, missing
+    return None
+
+
+def _diff_every_short_rank(calls):
+    """Names every rank shorter than the longest, at the first index one is missing."""
+    found = _diff_all_short(calls)
+    longest = max(len(v) for v in calls.values())
+    if found and any(len(calls[r]) <= found[0] for r in calls):
+        return found[0], sorted(r for r in calls if len(calls[r]) < longest)
+    return found
+
+
+def _diff_empty_instead_of_none(calls):
+    return _diff_all_short(calls) or (max(len(v) for v in calls.values()), [])
+
+
+def _diff_ranks_as_tuple(calls):
+    found = _diff_all_short(calls)
+    return found and (found[0], tuple(found[1]))
+
+
+class TestChapter18Diff(ChapterChecks):
+    lab, sol = TestChapter18.lab, TestChapter18.sol
+    checks = {"first_disagreement": Check(ch18.check_first_disagreement)}
+    wrong = [
+        Wrong("first_disagreement", _diff_vs_rank0, "compares with rank 0",
+              says="compare with the majority"),
+        Wrong("first_disagreement", _diff_zip, "zip stops at the shortest list",
+              says="zip.. stops at the shortest"),
+        Wrong("first_disagreement", _diff_every_short_rank, "names every short rank",
+              says="only rank 1 is missing"),
+        Wrong("first_disagreement", lambda c: _diff_all_short(c, one_based=True),
+              "counts from 1", says="expected \\(0, \\[2\\]\\)"),
+        Wrong("first_disagreement", lambda c: _diff_all_short(c, tie_by_dict=True),
+              "breaks a tie by dict order", says="a 2-2 tie"),
+        Wrong("first_disagreement", lambda c: _diff_all_short(c, dict_order=True),
+              "ranks in dict order, unsorted", says="sorted order"),
+        Wrong("first_disagreement", lambda c: _diff_all_short(c, vote_missing=True),
+              "votes on missing calls", says="not a majority vote"),
+        Wrong("first_disagreement", _diff_empty_instead_of_none, "(len, []) when all agree",
+              says="expected None"),
+        Wrong("first_disagreement", _diff_ranks_as_tuple, "ranks as a tuple",
+              says="a list of ints"),
+    ]

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from helpers.checks import CheckFailed, attempt, passed
 
-__all__ = ["BROKEN", "FAULTY_RANK", "show", "run_broken", "check_diagnosis", "check_fixed",
-           "batch", "reference"]
+__all__ = ["BROKEN", "FAULTY_RANK", "show", "run_broken", "recorded_calls",
+           "check_first_disagreement", "check_diagnosis", "check_fixed", "batch", "reference"]
 
 WORLD, STEPS, LR = 3, 3, 0.1
 
@@ -119,7 +119,96 @@ def _summary(err) -> str:
     return summary
 
 
+def recorded_calls(n: int, timeout: float = 4.0) -> dict[int, list[str]]:
+    """Run broken function ``n`` on 3 ranks with the recorder; each rank's collectives,
+    in order, as strings like ``"all_reduce [8] float64"`` (what the lab's diff reads)."""
+    from helpers.launch import RankError, launch
+    try:
+        launch(BROKEN[n], WORLD, record=True, timeout=timeout)
+    except RankError as err:
+        return {rank: [c.describe() for c in calls if not c.is_p2p]
+                for rank, calls in sorted(err.records.items())}
+    raise RuntimeError(f"broken function {n} did not fail")
+
+
 # -- the checks -----------------------------------------------------------------------------
+
+# (per-rank calls, expected answer, the mistake the case is there for). Dict keys are
+# deliberately not always in rank order: the answer must not depend on it.
+_AR8, _AR0, _BC8 = "all_reduce [8] float64", "all_reduce [] float64", "broadcast [8] float64"
+_DIFF_CASES = [
+    ({0: [_AR8, _AR0], 1: [_AR8, _AR0], 2: [_AR8, _AR0]}, None,
+     "every rank made the same calls: the answer is None"),
+    ({0: [_AR8, _AR0], 1: [_AR8, _AR0], 2: [_AR0, _AR8]}, (0, [2]),
+     "the odd one out is the rank whose call differs from the majority's"),
+    ({0: [_AR0, _AR8], 1: [_AR8, _AR0], 2: [_AR8, _AR0]}, (0, [0]),
+     "rank 0 is not the reference: here rank 0 is the odd one out (compare with the "
+     "majority, not with rank 0)"),
+    ({0: [_AR8, _AR8, _AR8], 1: [_AR8, _AR8], 2: [_AR8, _AR8, _AR8]}, (2, [1]),
+     "a rank whose list ends while the others still have a call (it stopped, returned "
+     "early or died) is at fault there; zip() stops at the shortest list and hides it"),
+    ({3: [_AR8, _AR8, _AR8, _AR8], 0: [_AR8, _AR8, _AR8, _AR8], 2: [_AR8, _AR8, _AR8],
+      1: [_AR8, _AR8]}, (2, [1]),
+     "two ranks stop early at different places: only rank 1 is missing at index 2 "
+     "(rank 2 still made that call)"),
+    ({0: [_AR8, _AR8, _AR8, _BC8, _AR8], 1: [_AR8, _AR8, _AR8, _AR8, _AR8],
+      2: [_AR8, _AR8, _AR8, _AR8, _AR8], 3: [_AR8, _AR8, _AR8, _AR8, _AR8],
+      4: [_AR8, _AR8, _AR8, _AR8, _AR8]}, (3, [0]),
+     "5 ranks, the first disagreement after three equal calls (indexes count from 0)"),
+    ({3: [_AR8, _AR0], 1: [_AR0, _AR0], 2: [_AR8, _AR0], 0: [_AR0, _AR0]}, (0, [2, 3]),
+     "a 2-2 tie: the reference is the call of the lowest rank (rank 0), so ranks 2 and 3 "
+     "are the odd ones, listed in sorted order"),
+    ({1: [_AR8], 0: [_AR8, _AR8], 2: [_AR8]}, (1, [1, 2]),
+     "the majority has stopped: rank 0 is the only one still calling, and ranks 1 and 2 "
+     "never made call #1 (the rule for missing calls, not a majority vote)"),
+]
+
+
+def _describe(calls: dict) -> str:
+    return "{" + ", ".join(f"{r}: {v}" for r, v in calls.items()) + "}"
+
+
+def check_first_disagreement(first_disagreement) -> None:
+    """``first_disagreement(calls) -> (index, ranks) | None``: the recorder's cross-rank
+    diff, from each rank's list of calls.
+
+    The cases, each there for one mistake learners make:
+
+    * identical lists -> None (not ``(len, [])``);
+    * comparing every rank with rank 0 instead of with the majority (rank 0 is odd);
+    * ``zip`` over the lists, which stops at the shortest one and misses a rank that
+      stopped calling;
+    * naming every rank shorter than the longest, instead of those missing at the first
+      index where one is missing;
+    * an index that counts from 1, or is the length of the common prefix plus one;
+    * a tie broken by whichever rank comes first in the dict (the keys are not in rank
+      order) instead of by the lowest rank; ranks returned unsorted;
+    * a majority vote over missing calls (when most ranks have stopped, the ones that
+      stopped are still the ones missing);
+    * loose types: the index must be an int, the ranks a list of ints.
+    """
+    for calls, want, why in _DIFF_CASES:
+        given = {r: list(v) for r, v in calls.items()}  # the learner may not change ours
+        got = attempt(first_disagreement, given, what=f"first_disagreement({_describe(calls)})")
+        if want is None:
+            if got is not None:
+                raise CheckFailed(f"first_disagreement({_describe(calls)}) returned {got!r}; "
+                                  f"expected None: {why}")
+            continue
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise CheckFailed(f"first_disagreement({_describe(calls)}) returned {got!r}; "
+                              f"expected the pair {want!r}: {why}")
+        index, ranks = got
+        if type(index) is not int or not isinstance(ranks, list) or \
+                any(type(r) is not int for r in ranks):
+            raise CheckFailed(f"first_disagreement({_describe(calls)}) returned {got!r}: the "
+                              f"index must be an int and the ranks a list of ints")
+        if (index, ranks) != want:
+            raise CheckFailed(f"first_disagreement({_describe(calls)}) returned {got!r}, "
+                              f"expected {want!r}: {why}")
+    passed(f"first_disagreement finds the first differing call and the rank(s) at fault in "
+           f"{len(_DIFF_CASES)} cases (3 to 5 ranks: mismatches, ties, ranks that stopped)")
+
 
 def check_diagnosis(diagnose) -> None:
     """``diagnose()`` returns {bug number: the rank at fault} for bugs 1, 2, 3."""
