@@ -131,12 +131,27 @@ def rank_functions(cells: list[tuple[int, ast.Module]]) -> dict[str, list]:
     return out
 
 
+def _names_a_device(to_call: ast.Call) -> bool:
+    """Does ``.to(...)`` move to a device? ``.to(dev)``, ``.to(x.device, dtype)``,
+    ``.to(device=...)`` do; ``.to(torch.float32)`` and ``.to(dtype)`` do not."""
+    if any(k.arg == "device" for k in to_call.keywords):
+        return True
+    if not to_call.args:
+        return False
+    first = to_call.args[0]
+    is_dtype = (isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name)
+                and first.value.id == "torch") or (
+        isinstance(first, ast.Name) and "dtype" in first.id)
+    return not is_dtype
+
+
 def offences(fn: ast.AST) -> list[tuple[int, str]]:
     """(line, what) for each tensor built off the rank's device inside ``fn``."""
-    moved = set()  # factory calls whose result is .to(...)'d at once
+    moved = set()  # factory calls whose result is moved to a device at once
     for node in ast.walk(fn):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "to" and isinstance(node.func.value, ast.Call):
+                and node.func.attr == "to" and isinstance(node.func.value, ast.Call) \
+                and _names_a_device(node):
             moved.add(id(node.func.value))
     bad = []
     for node in ast.walk(fn):
@@ -181,8 +196,9 @@ def test_temporary_allow_list_names_real_chapters():
 
 
 def test_the_scan_sees_what_it_claims(tmp_path):
-    """The scanner flags a factory without device= in a launched function and in
-    what it calls; passes device=, .to(dev), *_like and kernel-only functions."""
+    """The scanner flags a factory without device= (or moved only to a dtype) in a
+    launched function and in what it calls, and a build_model pinned to a
+    device; passes device=, .to(dev), *_like and kernel-only functions."""
     import nbformat
 
     from tools.nbtool import write
@@ -193,6 +209,7 @@ def test_the_scan_sees_what_it_claims(tmp_path):
         "def make(n):\n    return torch.zeros(n)\n\n"
         "def fn():\n    dev = rank_info().device\n    a = torch.randn(3, device=dev)\n"
         "    b = torch.randint(0, 4, (2,), generator=None).to(dev)\n"
+        "    d = torch.rand(2).to(torch.float64)\n"
         "    c = torch.zeros_like(a)\n    m = build_model('toy', device='cpu')\n"
         "    return make(2) + a + b + c",
         "def plot_only():\n    return torch.ones(3)",
@@ -204,7 +221,7 @@ def test_the_scan_sees_what_it_claims(tmp_path):
     assert set(rank_functions(cells)) == {"fn", "make", "<lambda>"}
     lines = {(name, line) for name, places in rank_functions(cells).items()
              for _, f in places for line, _ in offences(f)}
-    assert lines == {("make", 2), ("fn", 9), ("<lambda>", 2)}
+    assert lines == {("make", 2), ("fn", 8), ("fn", 10), ("<lambda>", 2)}
 
 
 # runtime: the default follows the rank's device
