@@ -45,6 +45,89 @@ def _off_by_one(x):  # sends chunk (r - s): ends up owning the sum of chunk r+1
         x[c:d] += buf
 
 
+def _backwards(x):  # the mirrored ring: sends left, receives right; right sums at any p
+    r, p = dist.get_rank(), dist.get_world_size()
+    bounds = chunk_bounds(x.numel(), p)
+    for s in range(p - 1):
+        a, b = bounds[(r + s + 1) % p]
+        c, d = bounds[(r + s + 2) % p]
+        buf = torch.empty(d - c, dtype=x.dtype)
+        reqs = [dist.isend(x[a:b], (r - 1) % p)] if b > a else []
+        if d > c:
+            reqs.append(dist.irecv(buf, (r + 1) % p))
+        for q in reqs:
+            q.wait()
+        x[c:d] += buf
+
+
+def _straight_to_owner(x):  # each chunk sent directly to its owner: right sums, same bytes
+    r, p = dist.get_rank(), dist.get_world_size()
+    bounds = chunk_bounds(x.numel(), p)
+    a, b = bounds[r]
+    bufs = [torch.empty(b - a, dtype=x.dtype) for _ in range(p)]
+    reqs = []
+    for q in range(p):
+        c, d = bounds[q]
+        if q != r and d > c:
+            reqs.append(dist.isend(x[c:d].clone(), q))
+        if q != r and b > a:
+            reqs.append(dist.irecv(bufs[q], q))
+    for req in reqs:
+        req.wait()
+    for q in range(p):
+        if q != r:
+            x[a:b] += bufs[q]
+
+
+def _even_slices(x):  # chunks as n // p slices: the tail past p * (n // p) is never reduced
+    r, p = dist.get_rank(), dist.get_world_size()
+    k = x.numel() // p
+    bounds = [(i * k, (i + 1) * k) for i in range(p)]
+    for s in range(p - 1):
+        a, b = bounds[(r - s - 1) % p]
+        c, d = bounds[(r - s - 2) % p]
+        buf = torch.empty(d - c, dtype=x.dtype)
+        _exchange(x[a:b], buf)
+        x[c:d] += buf
+
+
+def _float32_buffer(x):  # torch.empty(k) is float32: gloo would abort on the size mismatch
+    r, p = dist.get_rank(), dist.get_world_size()
+    bounds = chunk_bounds(x.numel(), p)
+    for s in range(p - 1):
+        a, b = bounds[(r - s - 1) % p]
+        c, d = bounds[(r - s - 2) % p]
+        buf = torch.empty(d - c)
+        _exchange(x[a:b], buf)
+        x[c:d] += buf
+
+
+def _no_modulo(x):  # chunk index without % p: IndexError on the first ranks
+    r, p = dist.get_rank(), dist.get_world_size()
+    bounds = chunk_bounds(x.numel(), p)
+    for s in range(p - 1):
+        a, b = bounds[r - s - 1 + p if r - s - 1 < 0 else r - s - 1]
+        c, d = bounds[r - s - 2 + 2 * p]
+        buf = torch.empty(d - c, dtype=x.dtype)
+        _exchange(x[a:b], buf)
+        x[c:d] += buf
+
+
+def _gather_own_every_step(x):  # forwards its own chunk each step, not the one that arrived
+    r, p = dist.get_rank(), dist.get_world_size()
+    bounds = chunk_bounds(x.numel(), p)
+    for s in range(p - 1):
+        a, b = bounds[r]
+        c, d = bounds[(r - s - 1) % p]
+        _exchange(x[a:b], x[c:d])
+
+
+def _rebinds(x):  # `x = x / p` makes a new tensor: the caller's keeps the sum
+    ring_reduce_scatter(x)
+    ring_all_gather(x)
+    x = x / dist.get_world_size()
+
+
 def _gather_one_step(x):  # only the first step: chunks from two hops away never arrive
     r, p = dist.get_rank(), dist.get_world_size()
     bounds = chunk_bounds(x.numel(), p)
@@ -91,12 +174,25 @@ class TestChapter03(ChapterChecks):
         Wrong("reduce_scatter", _overwrites, "receives into place instead of adding",
               says="don't overwrite"),
         Wrong("reduce_scatter", _off_by_one, "sends chunk r - s, one off", says="chunk indices"),
+        Wrong("reduce_scatter", _backwards, "the ring runs backwards", says="runs backwards"),
+        Wrong("reduce_scatter", _straight_to_owner, "each chunk straight to its owner",
+              says="not a ring"),
+        Wrong("reduce_scatter", _even_slices, "n // p slices instead of chunk_bounds",
+              says="chunk_bounds"),
+        Wrong("reduce_scatter", _float32_buffer, "float32 receive buffer",
+              says="receiving into a torch.float32 buffer"),
+        Wrong("reduce_scatter", _no_modulo, "a chunk index without % p",
+              says="raised IndexError"),
+        Wrong("all_gather", _gather_own_every_step, "forwards its own chunk every step",
+              says="same chunk"),
+        Wrong("ring_average", _rebinds, "rebinds x instead of dividing in place",
+              says="x the mean"),
         Wrong("all_gather", _gather_one_step, "only the first step", says="never arrived"),
         Wrong("ring_average", _forgets_to_divide, "the sum, not the mean", says="divide"),
         Wrong("ring_average", _library_average, "dist.all_reduce instead of the ring",
               says="dist.all_reduce is switched off"),
         Wrong("ring_average", _whole_tensor_average, "passes whole tensors around the ring",
-              says="more than a ring's"),
+              says="more than one chunk"),
     ]
     right = [
         Right("ring_average", _batched_average, "posted as one batch: bytes counted the same"),

@@ -9,14 +9,18 @@ into p chunks by ``chunk_bounds(numel, p)``.
   afterwards every chunk holds its owner's values.
 * ``ring_average(x)``: in place; every element becomes the mean over ranks.
 
-The checks run on 3 ranks with sizes that do not divide by 3 (and one smaller
-than 3), with different data on each rank, against gloo's own collectives.
-They test the mechanism as well as the result: inside the ranks every byte
-sent point-to-point (``dist.send``/``isend``, also inside
-``batch_isend_irecv``) is counted and must total what a ring sends, (p-1)·N
-elements over all ranks per phase, and the collectives themselves
-(``dist.all_reduce`` and friends) are switched off, so a result that came
-from them fails.
+The checks run on 3 and then 4 ranks (at 2 ranks the left and the right
+neighbour are the same rank, so a ring run backwards, or a chunk index off by
+one in the other direction, would pass), with sizes that do not divide by 3
+or 4 (and ones smaller than p, so some chunks are empty), with different data
+on each rank, against the sum computed here. They test the mechanism as well
+as the result: inside the ranks every point-to-point send (``dist.send``/
+``isend``, also inside ``batch_isend_irecv``) is recorded with its
+destination and size, and must go to the right neighbour (r + 1) % p, carry
+one chunk, and total what a ring sends, (p-1)·N elements over all ranks per
+phase; receive buffers must have the tensor's dtype; and the collectives
+themselves (``dist.all_reduce`` and friends) are switched off, so a result that
+came from them fails.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import torch
 
 from helpers.checks import CheckFailed, on_ranks, passed
 
-WORLD = 3
-SIZES = [10, 11, 2, 64]
+WORLDS = (3, 4)
+# 10, 11, 13: not multiples of 3 or 4 (uneven chunks, hard-coded ``n // p`` slices
+# lose the tail); 2: fewer elements than ranks (empty chunks); 64: a plain case
+SIZES = [10, 11, 13, 2, 64]
 
 
 def _inputs(rank: int, n: int) -> torch.Tensor:
@@ -39,24 +45,38 @@ REFUSED = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather"
            "all_gather_into_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single")
 
 
-def _instrumented(fn, t) -> int:
-    """Run ``fn(t)`` with point-to-point sends counted and collectives refused; bytes sent.
+def _instrumented(fn, t) -> list:
+    """Run ``fn(t)`` with point-to-point sends recorded and collectives refused; the
+    sends as (destination, bytes).
 
     ``torch.distributed.isend`` is patched in ``distributed_c10d`` as well, because
     ``P2POp`` checks its op against that module's own names and ``batch_isend_irecv``
-    calls the op it holds; so each send is counted once whichever way it was posted.
+    calls the op it holds (``dst`` or ``group_dst`` by keyword); so each send is
+    recorded once whichever way it was posted. Receives are refused into a buffer
+    of another dtype than ``t``: gloo would abort the process (SIGABRT) on the size
+    mismatch, with no word of the cause.
     """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    sent = [0]
+    sent = []
     saved = {}
 
-    def counting(real):
+    def recording(real):
         def send(tensor, *args, **kwargs):
-            sent[0] += tensor.numel() * tensor.element_size()
+            dst = args[0] if args else kwargs.get("dst", kwargs.get("group_dst"))
+            sent.append((dst, tensor.numel() * tensor.element_size()))
             return real(tensor, *args, **kwargs)
         return send
+
+    def checked(real):
+        def recv(tensor, *args, **kwargs):
+            if tensor.dtype != t.dtype:
+                raise RuntimeError(f"receiving into a {tensor.dtype} buffer, but the ring "
+                                   f"carries {t.dtype}: allocate receive buffers with the "
+                                   f"tensor's dtype (torch.empty_like(chunk))")
+            return real(tensor, *args, **kwargs)
+        return recv
 
     def refuse(name):
         def collective(*args, **kwargs):
@@ -64,9 +84,10 @@ def _instrumented(fn, t) -> int:
                                f"collective from point-to-point messages (isend/irecv)")
         return collective
 
-    for name in ("send", "isend"):
+    wrappers = {"send": recording, "isend": recording, "recv": checked, "irecv": checked}
+    for name, wrap in wrappers.items():
         saved[name] = getattr(c10d, name)
-        setattr(c10d, name, counting(saved[name]))
+        setattr(c10d, name, wrap(saved[name]))
         setattr(dist, name, getattr(c10d, name))
     for name in REFUSED:
         saved[name] = getattr(dist, name)
@@ -76,9 +97,9 @@ def _instrumented(fn, t) -> int:
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)
-            if name in ("send", "isend"):
+            if name in wrappers:
                 setattr(c10d, name, real)
-    return sent[0]
+    return sent
 
 
 def _run(fn, phase):
@@ -90,10 +111,10 @@ def _run(fn, phase):
     r, p = rank_info().rank, rank_info().world_size
     out, sent = [], []
     for n in SIZES:
-        x = _inputs(r, n)
+        x = _inputs(r, n).to(rank_info().device)
         a, b = chunk_bounds(n, p)[r]
         if phase == "all_gather":
-            t = torch.full((n,), float("nan"), dtype=torch.float64)
+            t = torch.full((n,), float("nan"), dtype=torch.float64, device=x.device)
             t[a:b] = x[a:b]  # only my chunk is known; the rest is garbage
         else:
             t = x.clone()
@@ -103,63 +124,105 @@ def _run(fn, phase):
     return out, sent
 
 
-def _expected(n: int, phase: str) -> torch.Tensor:
+def _expected(n: int, phase: str, world: int) -> torch.Tensor:
     from helpers.collectives import chunk_bounds
 
-    xs = [_inputs(r, n) for r in range(WORLD)]
+    xs = [_inputs(r, n) for r in range(world)]
     if phase == "reduce_scatter":
         return sum(xs)
     if phase == "ring_average":
-        return sum(xs) / WORLD
+        return sum(xs) / world
     want = torch.empty(n, dtype=torch.float64)
-    for r, (a, b) in enumerate(chunk_bounds(n, WORLD)):
+    for r, (a, b) in enumerate(chunk_bounds(n, world)):
         want[a:b] = xs[r][a:b]
     return want
 
 
-def _check(fn, phase: str, label: str) -> None:
-    from helpers.collectives import chunk_bounds
+# gloo aborts the process (SIGABRT, its reason only on stderr) when a message is larger
+# than the buffer posted to receive it; dtypes are checked before that, sizes cannot be
+_ABORT = ("a rank aborted inside gloo. The usual cause: a receive buffer of another size "
+          "than the message sent to it. In each step the chunk a rank sends and the chunk "
+          "its right neighbour receives must be the same chunk (same bounds, same dtype).")
 
+
+def _check(fn, phase: str, label: str) -> None:
     if not callable(fn):
         raise CheckFailed(f"{label} should be a function, got {fn!r}")
-    results = on_ranks(_run, WORLD, fn, phase, what=label, timeout=30,
-                       probe=lambda: fn(torch.zeros(4, dtype=torch.float64)))
-    for rank, (outs, _) in enumerate(results):
-        for n, got in zip(SIZES, outs):
-            want = _expected(n, phase)
-            a, b = chunk_bounds(n, WORLD)[rank]
-            if phase == "reduce_scatter":  # only my chunk is specified
-                got, want = got[a:b], want[a:b]
-            if torch.equal(got, want):
-                continue
-            hint = ""
-            if phase == "ring_average" and torch.allclose(got, want * WORLD):
-                hint = f" It is {WORLD}x the mean: divide the reduced chunk by the world size."
-            elif phase == "reduce_scatter":
-                others = [_expected(n, phase)[c:d] for c, d in chunk_bounds(n, WORLD)]
-                if any(o.numel() == got.numel() and torch.equal(got, o) for o in others):
-                    hint = (" That is the sum of another chunk: check the chunk indices (the "
-                            "chunk received in the last step must be chunk r).")
-                elif torch.equal(got, _inputs(rank, n)[a:b]):
-                    hint = (" That is this rank's input: nothing was added into chunk r. Check "
-                            "the chunk indices (the chunk received in the last step must be "
-                            "chunk r).")
-                else:
-                    hint = " Add what you receive into your copy (don't overwrite it)."
-            elif torch.isnan(got).any():
-                hint = " Some chunks never arrived (still NaN): p-1 steps, each forwarding a chunk."
-            raise CheckFailed(f"{label}: rank {rank}, tensor of {n} elements: got "
-                              f"{got.tolist()[:6]}..., expected {want.tolist()[:6]}...{hint}")
-    # The mechanism: a ring phase moves every chunk p-1 hops, one hop = one send of
-    # that chunk, so over all ranks it sends (p-1) N elements; the all-reduce twice that.
+    for world in WORLDS:
+        results = on_ranks(_run, world, fn, phase, what=f"{label} on {world} ranks", timeout=30,
+                           probe=lambda: fn(torch.zeros(4, dtype=torch.float64)),
+                           hints={"SIGABRT": _ABORT})
+        for rank, (outs, _) in enumerate(results):
+            for n, got in zip(SIZES, outs):
+                _compare(got, n, rank, world, phase, label)
+        _check_sends([sent for _, sent in results], world, phase, label)
+
+
+def _compare(got, n: int, rank: int, world: int, phase: str, label: str) -> None:
+    from helpers.collectives import chunk_bounds
+
+    where = f"{label}: {world} ranks, rank {rank}, tensor of {n} elements"
+    want = _expected(n, phase, world)
+    a, b = chunk_bounds(n, world)[rank]
+    if phase == "reduce_scatter":  # only my chunk is specified
+        got, want = got[a:b], want[a:b]
+    if torch.equal(got, want):
+        return
+    hint = ""
+    if phase == "ring_average" and torch.allclose(got, want * world):
+        hint = f" It is {world}x the mean: divide the reduced chunk by the world size."
+    elif phase == "reduce_scatter":
+        others = [_expected(n, phase, world)[c:d] for c, d in chunk_bounds(n, world)]
+        if any(o.numel() == got.numel() and torch.equal(got, o) for o in others):
+            hint = (" That is the sum of another chunk: check the chunk indices (the "
+                    "chunk received in the last step must be chunk r).")
+        elif torch.equal(got, _inputs(rank, n)[a:b]):
+            hint = (" That is this rank's input: nothing was added into chunk r. Check "
+                    "the chunk indices (the chunk received in the last step must be "
+                    "chunk r).")
+        else:
+            hint = (" Add what you receive into your copy (don't overwrite it), and use "
+                    "chunk_bounds(numel, p) for every chunk (the last ones are shorter).")
+    elif torch.isnan(got).any():
+        hint = (" Some chunks never arrived (still NaN): p-1 steps, each forwarding a chunk, "
+                "bounds from chunk_bounds(numel, p).")
+    raise CheckFailed(f"{where}: got {got.tolist()[:6]}..., expected "
+                      f"{want.tolist()[:6]}...{hint}")
+
+
+def _check_sends(sends: list, world: int, phase: str, label: str) -> None:
+    """The mechanism: a ring phase moves every chunk p-1 hops, one hop = one send of
+    that chunk to the right neighbour, so over all ranks it sends (p-1) N elements;
+    the all-reduce twice that."""
+    from helpers.collectives import chunk_bounds
+
     phases = 2 if phase == "ring_average" else 1
     for i, n in enumerate(SIZES):
-        total = sum(sent[i] for _, sent in results)
-        want = phases * (WORLD - 1) * n * 8  # float64 elements
+        largest = max(b - a for a, b in chunk_bounds(n, world)) * 8  # float64 bytes
+        for rank, per_size in enumerate(sends):
+            right, left = (rank + 1) % world, (rank - 1) % world
+            dests = sorted({dst for dst, _ in per_size[i]})
+            if dests not in ([], [right]):
+                how = ("only to its left neighbour: the ring runs backwards"
+                       if dests == [left] else
+                       "more than one rank: that is not a ring. Each chunk must hop "
+                       "around the ring, not go straight to its owner")
+                raise CheckFailed(
+                    f"{label}: {world} ranks, tensor of {n} elements: rank {rank} sent to "
+                    f"rank(s) {dests}, {how}. Send to the right neighbour (r + 1) % p "
+                    f"= {right}, receive from the left (r - 1) % p = {left}.")
+            for _, nbytes in per_size[i]:
+                if nbytes > largest:
+                    raise CheckFailed(
+                        f"{label}: {world} ranks, tensor of {n} elements: rank {rank} sent "
+                        f"{nbytes} bytes in one message, more than one chunk "
+                        f"({largest} bytes). Send one chunk per step, not the whole tensor.")
+        total = sum(nbytes for per_size in sends for _, nbytes in per_size[i])
+        want = phases * (world - 1) * n * 8  # float64 elements
         if total != want:
             more = "more" if total > want else "fewer"
             raise CheckFailed(
-                f"{label}: for a tensor of {n} elements the {WORLD} ranks sent {total} bytes "
+                f"{label}: for a tensor of {n} elements the {world} ranks sent {total} bytes "
                 f"point-to-point in total, {more} than a ring's {want} "
                 f"({phases} x (p-1) x N x 8 bytes). "
                 + ("Send one chunk per step, not the whole tensor: each rank's link should "
@@ -168,17 +231,57 @@ def _check(fn, phase: str, label: str) -> None:
                    "Every chunk must travel p-1 hops, each a send of that chunk."))
 
 
+_ON = " and ".join(map(str, WORLDS))
+
+
 def check_reduce_scatter(reduce_scatter) -> None:
+    """Chunk r of rank r holds the sum over ranks, built from ring sends.
+
+    Catches:
+    * overwrites instead of adding what arrives: a partial sum (named);
+    * chunk index off by one (sends chunk r - s, or r - s - 1 in the last step): rank r
+      ends on another chunk's sum (named);
+    * ring run backwards (sends left, receives right): at p = 3, 4 the left and right
+      neighbours differ, so the send's destination is named;
+    * each chunk sent straight to its owner (not a ring): destinations not r + 1;
+    * whole tensor sent each step: more bytes than one chunk per message;
+    * chunks as ``n // p`` slices: sizes 10, 11, 13 lose their tail (a wrong sum);
+    * receive buffer of another dtype (``torch.empty(k)`` is float32): named before gloo
+      would abort the rank;
+    * a library collective: switched off, its message says so;
+    * any other exception: the rank's error, as CheckFailed.
+    """
     _check(reduce_scatter, "reduce_scatter", "reduce_scatter")
-    passed(f"ring reduce-scatter on {WORLD} ranks: chunk r holds the sum on rank r "
-           f"(sizes {SIZES})")
+    passed(f"ring reduce-scatter on {_ON} ranks: chunk r holds the sum on rank r, every "
+           f"message one chunk to the right neighbour (sizes {SIZES})")
 
 
 def check_all_gather(all_gather) -> None:
+    """Every chunk reaches every rank, forwarded around the ring.
+
+    Catches:
+    * only some of the p-1 steps (a loop ``range(1)``, or p-1 hard-coded for 2 ranks):
+      chunks still NaN at 3 and 4 ranks (named);
+    * forwards its own chunk every step instead of the one that arrived last: the
+      sizes of a send and its receive differ (gloo aborts; the hint names that) or
+      chunks stay missing (NaN);
+    * sends to the owner's destinations directly, or backwards: destinations named;
+    * any exception: the rank's error, as CheckFailed.
+    """
     _check(all_gather, "all_gather", "all_gather")
-    passed(f"ring all-gather on {WORLD} ranks: every rank has every chunk (sizes {SIZES})")
+    passed(f"ring all-gather on {_ON} ranks: every rank has every chunk, every message "
+           f"one chunk to the right neighbour (sizes {SIZES})")
 
 
 def check_ring_average(ring_average) -> None:
+    """The mean on every rank, from the two ring phases.
+
+    Catches:
+    * forgets to divide: p times the mean (named);
+    * dist.all_reduce (or any collective) instead of the ring: switched off (named);
+    * passes whole tensors around the ring: more bytes than a ring's (named);
+    * rebinds x (``x = x / p``) so the caller's tensor keeps the sum: p times the mean;
+    * any exception: the rank's error, as CheckFailed.
+    """
     _check(ring_average, "ring_average", "ring_average")
-    passed(f"reduce-scatter + divide + all-gather = the mean on every rank ({WORLD} ranks)")
+    passed(f"reduce-scatter + divide + all-gather = the mean on every rank ({_ON} ranks)")
