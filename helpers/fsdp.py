@@ -122,7 +122,6 @@ parameters are averaged synchronously at the end of backward, unbucketed.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Callable, NamedTuple
 
@@ -134,7 +133,7 @@ from torch.utils._pytree import tree_map
 from helpers.clip import sharded_clip_grad_norm_
 from helpers.comm import all_gather, group_rank, reduce_scatter, ring_bytes_sent, world_size
 from helpers.mesh import axis_groups
-from helpers.overlap import record_comm, wait_comm
+from helpers.overlap import issue_mark, record_comm, wait_comm
 from helpers.unit_gather import UnitBuffer, register_unit_hooks, start_gather
 from helpers.zero import FlatPartition
 
@@ -565,7 +564,7 @@ class FSDP(nn.Module):
             if self.prefetch is not None:
                 self.prefetch(self, i, "forward")
             if self.timeline is not None:
-                u.t_fwd = time.perf_counter()
+                u.t_fwd = self.timeline.now()
             return self._cast_inputs(args, kwargs)
         return hook
 
@@ -573,7 +572,7 @@ class FSDP(nn.Module):
         def hook():
             u = self.units[i]
             if self.timeline is not None:
-                self.timeline.add("compute", f"forward {u.name}", u.t_fwd, time.perf_counter())
+                self.timeline.add("compute", f"forward {u.name}", u.t_fwd, self.timeline.now())
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self.free(u)
         return hook
@@ -588,7 +587,7 @@ class FSDP(nn.Module):
         if self.prefetch is not None:
             self.prefetch(self, i, "backward")
         if self.timeline is not None:
-            u.t_bwd = time.perf_counter()
+            u.t_bwd = self.timeline.now()
 
     def _post_accumulate(self, u: _Unit):
         def hook(p):
@@ -604,7 +603,7 @@ class FSDP(nn.Module):
         """Average this unit's gradients: reduce-scatter in the shard group,
         then (hybrid) all-reduce the chunk across the replicate group."""
         if self.timeline is not None and hasattr(u, "t_bwd"):
-            self.timeline.add("compute", f"backward {u.name}", u.t_bwd, time.perf_counter())
+            self.timeline.add("compute", f"backward {u.name}", u.t_bwd, self.timeline.now())
         b = u.bucket
         # (padded,) on the unit's device, in reduce_dtype (default: the
         # gradients' dtype, that of the gathered weights); padding stays 0
@@ -619,7 +618,7 @@ class FSDP(nn.Module):
         self._count("reduce_scatter", buf.numel() * buf.element_size(), self.shard_size)
         self._retire_reduce_scatter()
         if self.shard_size > 1:
-            t0 = time.perf_counter()
+            t0 = issue_mark(self.timeline)
             work = reduce_scatter(out, buf, group=self.shard_group, async_op=True)
             self._record_comm(work, f"reduce-scatter {u.name}", t0)
             self._rs_in_flight = (u.name, work, buf)
@@ -648,7 +647,7 @@ class FSDP(nn.Module):
         for u in self.all_units:
             out = u.grad_chunk  # every reduce-scatter has finished
             if self.replicate_size > 1:
-                t0 = time.perf_counter()
+                t0 = issue_mark(self.timeline)
                 work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
                 self._record_comm(work, f"all-reduce {u.name}", t0)
                 self._wait(work, f"all-reduce {u.name}")

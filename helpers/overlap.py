@@ -8,7 +8,8 @@ to step time, so that is the number to measure, not the bytes alone
 all-reduce with backward; Zhao et al. 2023, "PyTorch FSDP", sec. 3.3.2, on
 prefetching all-gathers).
 
-``Timeline`` records spans on three lanes with ``time.perf_counter()``:
+``Timeline`` records spans on three lanes with the device's clock
+(``helpers.clock``: ``time.perf_counter()`` on CPU, CUDA events on a GPU):
 ``"compute"`` (a unit's forward or backward), ``"comm"`` (a collective in
 flight) and ``"wait"`` (the training thread blocked until a collective
 finishes). A communication span starts when the collective is
@@ -17,7 +18,10 @@ callback to the async work's future, which runs on the communication thread
 as soon as the data has arrived, so the end time is not delayed by the
 moment we happen to ``wait()``. Gloo's reduce-scatter has no future; for it
 a small watcher thread blocks in ``work.wait()`` (which releases the GIL)
-and stamps the end the moment it returns. Closing such a span at the next
+and stamps the end the moment it returns. On a GPU the same stamps are CUDA
+events recorded on the current stream after the collective (inside the
+future's callback, or after ``wait()``), so they resolve to when the GPU
+finished it, not to when nccl queued it (``helpers.clock``). Closing such a span at the next
 place the training thread happens to look instead would stretch it by
 whatever the thread computed meanwhile: a reduce-scatter issued after unit
 k's backward would appear to last until unit k-1's backward ended, and
@@ -48,8 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Callable, Iterable
+
+from helpers.clock import clock_for, resolve
 
 
 __all__ = ["Timeline", "union_length", "exposed_comm", "ddp_timeline", "plot_timelines",
@@ -58,30 +63,46 @@ __all__ = ["Timeline", "union_length", "exposed_comm", "ddp_timeline", "plot_tim
 
 class Timeline:
     """Spans on named lanes: ``events`` is a list of dicts
-    ``{"lane", "name", "start", "end"}`` (seconds, ``perf_counter`` clock)."""
+    ``{"lane", "name", "start", "end"}`` (seconds on the ``perf_counter`` scale).
 
-    def __init__(self) -> None:
-        self.events: list[dict] = []
+    ``clock``: a ``helpers.clock`` clock (default: the rank's device's). Spans
+    are kept as the clock's marks and turned into seconds when ``events`` is
+    read, so that timing a GPU step never synchronizes inside it."""
+
+    def __init__(self, clock=None) -> None:
+        self.clock = clock_for() if clock is None else clock
+        self._spans: list[dict] = []  # marks, resolved by ``events``
         self._lock = threading.Lock()
         self._watchers: dict[int, threading.Thread] = {}  # id(work) -> its watcher
 
-    def add(self, lane: str, name: str, start: float, end: float) -> None:
-        if end < start:
+    @property
+    def events(self) -> list[dict]:
+        with self._lock:
+            spans = list(self._spans)
+        return resolve(spans)
+
+    def add(self, lane: str, name: str, start, end) -> None:
+        """A span from mark (or seconds) ``start`` to ``end``."""
+        if isinstance(start, float) and isinstance(end, float) and end < start:
             raise ValueError(f"span {name!r} ends ({end}) before it starts ({start})")
         with self._lock:
-            self.events.append({"lane": lane, "name": name, "start": start, "end": end})
+            self._spans.append({"lane": lane, "name": name, "start": start, "end": end})
+
+    def now(self):
+        """A mark of this moment on the timeline's clock."""
+        return self.clock.mark()
 
     @contextlib.contextmanager
     def span(self, lane: str, name: str):
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         try:
             yield
         finally:
-            self.add(lane, name, t0, time.perf_counter())
+            self.add(lane, name, t0, self.clock.mark())
 
-    def comm(self, work, name: str, start: float | None = None) -> None:
+    def comm(self, work, name: str, start=None) -> None:
         """Record an async collective from ``start`` (default now) to its completion."""
-        t0 = time.perf_counter() if start is None else start
+        t0 = self.clock.mark() if start is None else start
         try:
             fut = work.get_future()
         except RuntimeError:
@@ -91,14 +112,16 @@ class Timeline:
             self._watchers[id(work)] = watcher
             watcher.start()
             return
-        fut.add_done_callback(lambda _: self.add("comm", name, t0, time.perf_counter()))
+        # The callback runs with streams that wait on the collective (torch.futures,
+        # add_done_callback behaves as then() for GPU tensors): its mark is the end.
+        fut.add_done_callback(lambda _: self.add("comm", name, t0, self.clock.mark()))
 
-    def _watch(self, work, name: str, t0: float) -> None:
+    def _watch(self, work, name: str, t0) -> None:
         try:
             work.wait()
         except Exception:  # noqa: BLE001 - the training thread's own wait reports it
             return
-        self.add("comm", name, t0, time.perf_counter())
+        self.add("comm", name, t0, self.clock.mark())
 
     def settle(self, work=None) -> None:
         """Let the watcher of ``work`` (default: every watcher) record its span:
@@ -111,26 +134,34 @@ class Timeline:
 
     def clear(self) -> None:
         with self._lock:
-            self.events.clear()
+            self._spans.clear()
 
     def exposed_comm(self) -> dict[str, float]:
         return exposed_comm(self.events)
 
 
-def record_comm(timeline: "Timeline | None", work, name: str, start: float) -> None:
-    """Note an async collective issued at ``start`` on ``timeline`` (if any)."""
+def issue_mark(timeline: "Timeline | None"):
+    """A mark to take just before issuing a collective (None without a timeline)."""
+    return None if timeline is None else timeline.now()
+
+
+def record_comm(timeline: "Timeline | None", work, name: str, start) -> None:
+    """Note an async collective issued at mark ``start`` on ``timeline`` (if any)."""
     if timeline is not None:
         timeline.comm(work, name, start)
 
 
 def wait_comm(timeline: "Timeline | None", work, name: str) -> None:
     """Block on ``work``; with a timeline the blocked time is a "wait" span
-    (exposed communication)."""
-    t0 = time.perf_counter()
+    (exposed communication). On a GPU the span's end is the mark after
+    ``wait()``: when the stream could go on, i.e. when the collective finished."""
+    if timeline is None:
+        work.wait()
+        return
+    t0 = timeline.now()
     work.wait()
-    if timeline is not None:
-        timeline.add("wait", name, t0, time.perf_counter())
-        timeline.settle(work)
+    timeline.add("wait", name, t0, timeline.now())
+    timeline.settle(work)
 
 
 def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

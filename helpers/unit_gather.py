@@ -42,7 +42,6 @@ a separate CUDA stream; PyTorch's first FSDP resized storage as here.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -51,7 +50,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from helpers.comm import all_gather, alloc_storage, free_storage, is_allocated
-from helpers.overlap import record_comm, wait_comm
+from helpers.overlap import issue_mark, record_comm, wait_comm
 
 __all__ = ["UnitBuffer", "Gather", "start_gather", "register_unit_hooks"]
 
@@ -122,7 +121,7 @@ def start_gather(buffers: list[UnitBuffer], chunks: list[torch.Tensor], group, w
         out.copy_(inp)
         work = None
     else:
-        t0 = time.perf_counter()
+        t0 = issue_mark(timeline)
         work = all_gather(out, inp, group=group, async_op=True)
         record_comm(timeline, work, name, t0)
     g = Gather(work, name, timeline, buffers, inp, out, world)

@@ -59,13 +59,12 @@ than one device.
 
 from __future__ import annotations
 
-import time
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from helpers.comm import reduce_scatter
-from helpers.overlap import record_comm, wait_comm
+from helpers.overlap import issue_mark, record_comm, wait_comm
 
 __all__ = ["ReduceScatterInBackward"]
 
@@ -201,7 +200,7 @@ class ReduceScatterInBackward:
         if self.world == 1:
             out.copy_(inp)
             return None
-        t0 = time.perf_counter()
+        t0 = issue_mark(self.timeline)
         work = collective(out, inp, group=self.group, async_op=True)
         record_comm(self.timeline, work, name, t0)
         return work
