@@ -121,13 +121,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.clock import clock_for, resolve
 from helpers.naive_dp import broadcast_parameters, unique_parameters
 from helpers.comm import completed_future, world_size  # (completed_future lived here first)
 
@@ -237,7 +237,10 @@ class BucketedDDP(nn.Module):
     ``ddp = BucketedDDP(model)``; ``loss = ddp(x, y)...; loss.backward()`` ->
     every ``.grad`` is the average over the group's ranks. ``ddp.timeline`` is
     the list of {"bucket", "event", "t"} of the last synchronized backward,
-    events "ready" / "launched" / "finished", t from ``time.perf_counter()``.
+    events "ready" / "launched" / "finished", t in seconds from ``self.clock``
+    (``helpers.clock``: ``time.perf_counter()`` on CPU; on a GPU CUDA events, so
+    "finished", stamped in the future's callback, is when the all-reduce ended
+    on the GPU, not when nccl queued it).
 
     The buckets, for comm hooks and readers (fixed at construction, the same
     on every rank; bucket b is launched b-th):
@@ -275,7 +278,7 @@ class BucketedDDP(nn.Module):
         self.comm_hook = comm_hook or allreduce_hook
         self.find_unused_parameters = bool(find_unused_parameters)
         self.require_backward_grad_sync = True
-        self.timeline: list[dict] = []
+        self._timeline: list[dict] = []  # t as clock marks; ``timeline`` resolves them
 
         if self.world_size > 1:
             broadcast_parameters(module, src=0, group=process_group)
@@ -298,6 +301,7 @@ class BucketedDDP(nn.Module):
             self.layout.append(layout)
             self.flat_buffers.append(
                 torch.zeros(offset, dtype=bucket[0].dtype, device=bucket[0].device))
+        self.clock = clock_for(self.flat_buffers[0].device if self.flat_buffers else "cpu")
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         if hasattr(self.comm_hook, "bind"):  # a hook that needs the buckets' layout
             self.comm_hook.bind(self)
@@ -374,8 +378,13 @@ class BucketedDDP(nn.Module):
         self._reset_state()
         self._in_backward = False
 
+    @property
+    def timeline(self) -> list[dict]:
+        """{"bucket", "event", "t"} of the last synchronized backward, t in seconds."""
+        return resolve(self._timeline)
+
     def record(self, bucket: int, event: str) -> None:
-        self.timeline.append({"bucket": bucket, "event": event, "t": time.perf_counter()})
+        self._timeline.append({"bucket": bucket, "event": event, "t": self.clock.mark()})
 
     def _hook(self, param: nn.Parameter) -> None:
         # Called by autograd with the *parameter* (not the gradient): read param.grad.
@@ -390,7 +399,7 @@ class BucketedDDP(nn.Module):
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._reset_state()
-        self.timeline = []
+        self._timeline = []
         # Runs when the whole backward pass is done, before backward() returns.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         unused, self._unused = self._unused, []
@@ -436,7 +445,9 @@ class BucketedDDP(nn.Module):
         fut = self.comm_hook(flat, self.process_group)
 
         def finished(f, b=b):
-            self.record(b, "finished")  # runs on the communication thread when it completes
+            # Runs on the communication thread when it completes; on a GPU with
+            # streams that wait on the all-reduce, so the mark is its end there.
+            self.record(b, "finished")
             return f.value()
 
         self.futures[b] = fut.then(finished)
