@@ -1,4 +1,4 @@
-"""Where each mechanism lives in Megatron-LM and DeepSpeed, and its course module.
+"""Where each mechanism lives in Megatron-LM, DeepSpeed and torchtitan, and its course module.
 
 Read a framework by component, not from ``pretrain_gpt.py`` or ``engine.py``
 downwards: pick a mechanism you built in this course, open the framework's
@@ -6,12 +6,15 @@ file for it, and look for the same few moves (the hook that fires when a
 gradient is ready, the bucket, the reduce-scatter, the stash). The paths are
 those of the snapshots read for this chapter (Megatron-LM ``main`` and
 DeepSpeed ``master``, August 2026); files move between versions, the split
-by component stays.
+by component stays. torchtitan (``TORCHTITAN_MAP``, version 0.2.2, snapshot of
+August 2026) builds every mechanism from PyTorch's own parts (DeviceMesh,
+DTensor, FSDP2's ``fully_shard``, ``torch.distributed.pipelining``, DCP), so
+its files show those parts composed rather than reimplemented.
 """
 
 from __future__ import annotations
 
-__all__ = ["SOURCE_MAP"]
+__all__ = ["SOURCE_MAP", "TORCHTITAN_MAP"]
 
 # component -> (Megatron-LM path, DeepSpeed path, course module, chapter notebook)
 SOURCE_MAP: dict[str, tuple[str, str, str, str]] = {
@@ -62,3 +65,29 @@ SOURCE_MAP: dict[str, tuple[str, str, str, str]] = {
         "deepspeed/checkpoint/ (universal_checkpoint.py), deepspeed/runtime/checkpoint_engine/",
         "helpers.checkpoint", "17_checkpoint_resume"),
 }
+
+# component -> torchtitan path (same components as SOURCE_MAP)
+TORCHTITAN_MAP: dict[str, str] = {
+    "rank grid / process groups": "torchtitan/distributed/parallel_dims.py (ParallelDims: one "
+                                  "DeviceMesh, init_device_mesh)",
+    "data parallel, gradient buckets": "torchtitan/distributed/fsdp.py (the dp_replicate mesh "
+                                       "dimension of FSDP2)",
+    "sharded optimizer (ZeRO-1/2)": "(no separate stage: FSDP2 shards the optimizer state "
+                                    "with the weights)",
+    "sharded weights (ZeRO-3 / FSDP)": "torchtitan/distributed/fsdp.py, "
+                                       "torchtitan/models/llama3/parallelize.py (fully_shard)",
+    "offload": "torchtitan/distributed/fsdp.py (FSDP2's CPUOffloadPolicy)",
+    "tensor parallel layers, f and g": "torchtitan/distributed/tensor_parallel.py, "
+                                       "torchtitan/models/llama3/sharding.py (DTensor plans)",
+    "sequence / context parallel": "torchtitan/models/llama3/sharding.py (SequenceParallel), "
+                                   "torchtitan/distributed/context_parallel/api.py",
+    "pipeline schedules and p2p": "torchtitan/distributed/pipeline_parallel.py "
+                                  "(torch.distributed.pipelining schedules)",
+    "activation recompute": "torchtitan/distributed/activation_checkpoint.py",
+    "precision: loss scaling, FP8": "torchtitan/distributed/fsdp.py (MixedPrecisionPolicy), "
+                                    "torchtitan/components/quantization/float8.py",
+    "mixture of experts": "torchtitan/models/common/moe.py, "
+                          "torchtitan/components/optimizer/optimizer.py (expert-bias update)",
+    "checkpoints": "torchtitan/components/checkpointer/dcp.py",
+}
+assert TORCHTITAN_MAP.keys() == SOURCE_MAP.keys()
