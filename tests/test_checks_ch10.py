@@ -4,23 +4,98 @@ import torch
 
 from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch10
-from helpers.sp import block_attention, merge_partials
+from helpers.sp import block_attention, causal_mask, merge_partials, positions
+
+
+def _merge_unguarded(o1, l1, o2, l2):
+    # Plausible mistake: the rule without the guard: two empty blocks give NaN.
+    lse = torch.logaddexp(l1, l2)
+    return torch.exp(l1 - lse)[..., None] * o1 + torch.exp(l2 - lse)[..., None] * o2, lse
+
+
+def _merge_lse_max(o1, l1, o2, l2):
+    # Plausible mistake: the merged lse taken as the larger of the two.
+    lse = torch.logaddexp(l1, l2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    o = torch.exp(l1 - safe)[..., None] * o1 + torch.exp(l2 - safe)[..., None] * o2
+    return o, torch.maximum(l1, l2)
+
+
+def _merge_course(o1, l1, o2, l2):
+    # Plausible shortcut: the course's own helper, imported by the lab's first cell.
+    return merge_partials(o1, l1, o2, l2)
+
+
+def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None):
+    """A ring forward whose direction, bookkeeping and masking the wrong answers vary."""
+    import torch.distributed as dist
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    seq, kv = q.size(-2) * cp, torch.stack([k, v])
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for step in range(cp):
+        reqs = []
+        if step < cp - 1:
+            nxt = torch.empty_like(kv)
+            reqs = [dist.isend(kv, to(rank, cp)), dist.irecv(nxt, frm(rank, cp))]
+        m = causal_mask(positions(seq, cp, rank), positions(seq, cp, owner_of(rank, step, cp)))
+        if mask is False:
+            m = torch.ones_like(m)
+        if m.any():
+            o, l = block_attention(q, kv[0], kv[1], m)
+            out, lse = merge_partials(out, lse, o, l)
+        for r in reqs:
+            r.wait()
+        if reqs:
+            kv = nxt
+    return out
 
 
 def _ring_without_mask(q, k, v, group=None):
     # Plausible mistake: every block attended in full (no causal mask).
+    return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
+                 owner_of=lambda r, s, p: (r - s) % p, mask=False)
+
+
+def _ring_backwards(q, k, v, group=None):
+    # Plausible mistake: blocks sent to rank - 1 (received from rank + 1) but their
+    # owner still taken as rank - s: right at 2 ranks only.
+    return _ring(q, k, v, to=lambda r, p: (r - 1) % p, frm=lambda r, p: (r + 1) % p,
+                 owner_of=lambda r, s, p: (r - s) % p)
+
+
+def _gather_then_attend(q, k, v, group=None):
+    # Plausible shortcut: all-gather K/V, then one masked attention (right output, no ring).
     import torch.distributed as dist
     cp, rank = dist.get_world_size(), dist.get_rank()
-    kv, out = torch.stack([k, v]), None
-    for step in range(cp):
-        o, l = block_attention(q, kv[0], kv[1])
-        out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
-        if step < cp - 1:
-            nxt = torch.empty_like(kv)
-            reqs = [dist.isend(kv, (rank + 1) % cp), dist.irecv(nxt, (rank - 1) % cp)]
-            for r in reqs:
-                r.wait()
-            kv = nxt
+    ks, vs = [torch.empty_like(k) for _ in range(cp)], [torch.empty_like(v) for _ in range(cp)]
+    dist.all_gather(ks, k)
+    dist.all_gather(vs, v)
+    seq = q.size(-2) * cp
+    m = causal_mask(positions(seq, cp, rank), torch.arange(seq))
+    return block_attention(q, torch.cat(ks, -2), torch.cat(vs, -2), m)[0]
+
+
+def _send_to_everyone(q, k, v, group=None):
+    # Plausible non-ring: every rank sends its block straight to every other rank
+    # (cp - 1 sends, the same bytes as the ring), then attends block by block.
+    import torch.distributed as dist
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    seq, kv = q.size(-2) * cp, torch.stack([k, v])
+    blocks, reqs = {rank: kv}, []
+    for other in range(cp):
+        if other != rank:
+            blocks[other] = torch.empty_like(kv)
+            reqs += [dist.isend(kv, other), dist.irecv(blocks[other], other)]
+    for r in reqs:
+        r.wait()
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for owner, blk in blocks.items():
+        m = causal_mask(positions(seq, cp, rank), positions(seq, cp, owner))
+        if m.any():
+            o, l = block_attention(q, blk[0], blk[1], m)
+            out, lse = merge_partials(out, lse, o, l)
     return out
 
 
@@ -29,10 +104,17 @@ class TestChapter10(ChapterChecks):
     sol = "solutions/10_sequence_parallel_solution.ipynb"
     checks = {
         "merge": Check(ch10.check_merge),
-        "ring": Check(ch10.check_ring, "ring_forward"),
+        "ring": Check(ch10.check_ring, "ring_forward", slow=True),
     }
     wrong = [
         Wrong("merge", lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)),
               "averages the partial outputs", says="averages"),
+        Wrong("merge", _merge_unguarded, "no guard for two empty blocks", says="NaN"),
+        Wrong("merge", _merge_lse_max, "lse taken as the max", says="logaddexp"),
+        Wrong("merge", _merge_course, "calls merge_partials", says="merge_partials"),
         Wrong("ring", _ring_without_mask, "no causal mask", says="causal_mask"),
+        Wrong("ring", _ring_backwards, "backwards ring, owner rank - s", says="differs"),
+        Wrong("ring", _gather_then_attend, "all-gather then attend", says="all_gather"),
+        Wrong("ring", _send_to_everyone, "each block sent straight to every rank",
+              says="same neighbour"),
     ]

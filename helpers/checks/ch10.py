@@ -2,16 +2,32 @@
 
 ``check_merge(merge)``: the learner's ``merge(o1, lse1, o2, lse2) -> (o, lse)``
 combines attention over two disjoint key blocks (Milakov & Gimelshein 2018,
-sec. 3). Checked on one process in float64 against softmax over all keys,
-including rows whose first block is fully masked (lse = -inf). Float64 on
-both sides, only rounding differs (~1e-16 relative); we allow 1e-9, while an
-average of the two blocks is off by O(1).
+sec. 3). Checked on one process in float64 against softmax over all keys.
+Float64 on both sides, only rounding differs (~1e-16 relative); we allow 1e-9,
+while an average of the two blocks is off by O(1). Mistakes it is built to catch:
+
+* averaging the two outputs (weights 1/2 instead of each block's softmax mass);
+* an lse that is not logaddexp (max, or a plain sum);
+* one empty block (lse = -inf) giving NaN or changing the other block;
+* both blocks empty (a query with no visible key yet in a causal ring step):
+  exp(-inf - (-inf)) is NaN unless guarded; the answer is o = 0, lse = -inf;
+* calling the course's ``merge_partials`` instead of writing the rule.
 
 ``check_ring(ring_forward)``: the learner's causal ring attention forward
-(contiguous layout, K/V passed round the ring with isend/irecv) on 2 ranks in
-float64 against ``F.scaled_dot_product_attention(..., is_causal=True)`` on
-the whole sequence. A ring that skips the causal mask lets the first rank's
-queries see the future: off by O(1).
+(contiguous layout, K/V passed round the ring with isend/irecv) in float64
+against ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole
+sequence, on 3 and then 4 ranks. Mistakes it is built to catch:
+
+* no causal mask (a rank's queries see the future): wrong output;
+* a ring run backwards against its own bookkeeping (sending to rank - 1 while
+  naming the block's owner rank - s): at 2 ranks rank + 1 = rank - 1, so the
+  check runs 3 and 4, where the owner and so the mask are wrong;
+* gathering all K/V with a collective and attending once (the all-gather
+  variant, not a ring): refused by name;
+* sending each block straight to every other rank (cp - 1 sends, but to cp - 1
+  different ranks): each rank must send exactly cp - 1 messages, all to one
+  neighbour;
+* a wrong output shape or a missing return.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import torch.nn.functional as F
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
 
 REL = 1e-9  # float64, only rounding differs (module docstring)
+RING_WORLDS = (3, 4)  # odd and even; at 2 ranks a backwards ring looks like a forwards one
 
 
 def _close(a, b) -> bool:
@@ -30,9 +47,22 @@ def _close(a, b) -> bool:
              .all())
 
 
+def _pair(out, what: str):
+    if not (isinstance(out, tuple) and len(out) == 2
+            and all(isinstance(t, torch.Tensor) for t in out)):
+        raise CheckFailed(f"{what}: merge must return a pair of tensors (o, lse), got "
+                          f"{type(out).__name__}")
+    return out
+
+
 def check_merge(merge) -> None:
-    """Two key blocks of one float64 attention, merged, vs softmax over all keys."""
+    """Two key blocks of one float64 attention, merged, vs softmax over all keys; one
+    block empty; both blocks empty (see the module docstring for the mistakes)."""
     from helpers.sp import block_attention
+    names = getattr(getattr(merge, "__code__", None), "co_names", ())
+    if "merge_partials" in names:
+        raise CheckFailed("merge calls merge_partials, the course's own answer: write the "
+                          "rule with torch.logaddexp and the two weights yourself")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, generator=gen) for _ in range(3))
     k[..., 5:, :] *= 4.0                          # one block with much more softmax mass
@@ -40,10 +70,7 @@ def check_merge(merge) -> None:
     want_lse = torch.logsumexp(q @ k.transpose(-2, -1) / 2.0, -1)
     o1, l1 = block_attention(q, k[..., :3, :], v[..., :3, :])
     o2, l2 = block_attention(q, k[..., 3:, :], v[..., 3:, :])
-    out = attempt(merge, o1, l1, o2, l2, what="merge")
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise CheckFailed("merge must return a pair (o, lse)")
-    o, lse = out
+    o, lse = _pair(attempt(merge, o1, l1, o2, l2, what="merge"), "two blocks")
     if _close(o, (o1 + o2) / 2):
         raise CheckFailed("merge averages the two outputs; weight each by its share of the "
                           "softmax mass: exp(lse_i - lse) with lse = logaddexp(lse1, lse2)")
@@ -55,35 +82,97 @@ def check_merge(merge) -> None:
     # Causal attention: a query's first block can be entirely in its future (lse = -inf).
     empty = torch.zeros(6, 3, dtype=torch.bool)
     oe, le = block_attention(q, k[..., :3, :], v[..., :3, :], empty)
-    o, lse = attempt(merge, oe, le, o2, l2, what="merge with an empty block")
+    o, lse = _pair(attempt(merge, oe, le, o2, l2, what="merge with an empty block"),
+                   "one empty block")
     if not (_close(o, o2) and _close(lse, l2)):
         raise CheckFailed("merging an empty block (lse = -inf, o = 0) must leave the other "
                           "block unchanged; is there a NaN from -inf - (-inf)?")
-    passed("merge equals attention over all keys (float64), also with an empty block")
+    # ... and at the first steps of a ring, both blocks can be empty for some queries
+    o, lse = _pair(attempt(merge, oe, le, oe.clone(), le.clone(),
+                           what="merge with both blocks empty"), "both blocks empty")
+    if torch.isnan(o).any() or torch.isnan(lse).any():
+        raise CheckFailed("merging two empty blocks (both lse = -inf) gives NaN: "
+                          "exp(-inf - (-inf)) is NaN, so guard the case where the merged lse "
+                          "is -inf (the output is 0 there, the lse stays -inf)")
+    if not (bool((o == 0).all()) and bool(torch.isneginf(lse).all())):
+        raise CheckFailed("merging two empty blocks must give o = 0 and lse = -inf")
+    passed("merge equals attention over all keys (float64), with one and with both blocks "
+           "empty")
+
+
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+                "all_reduce", "all_to_all", "all_to_all_single", "reduce_scatter",
+                "reduce_scatter_tensor", "gather", "scatter")
 
 
 def _run_ring(ring_forward):
+    """On every rank: the learner's ring with point-to-point sends and collectives
+    recorded (passed through, so nothing hangs), and the reference chunk."""
+    import torch.distributed as dist
+
     from helpers import rank_info
     from helpers.sp import shard_sequence
     t = rank_info().world_size
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 4 * t, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    k[..., -3:, :] *= 3.0          # late keys with large scores: a query that sees them errs by O(1)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    got = ring_forward(*(shard_sequence(x) for x in (q, k, v)))
-    return got, shard_sequence(want)
+    sends, collectives, saved = [], [], {}
+
+    def recorder(name, fn):
+        def wrapped(*args, **kwargs):
+            if name in ("isend", "send"):
+                dst = kwargs.get("dst", args[1] if len(args) > 1 else None)
+                sends.append(dst)
+            else:
+                collectives.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name in ("isend", "send") + _COLLECTIVES:
+        if hasattr(dist, name):
+            saved[name] = getattr(dist, name)
+            setattr(dist, name, recorder(name, saved[name]))
+    try:
+        got = ring_forward(*(shard_sequence(x) for x in (q, k, v)))
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return got, shard_sequence(want), sends, collectives
 
 
 def check_ring(ring_forward) -> None:
-    """2 ranks, contiguous layout, float64, vs full causal SDPA."""
+    """3 and 4 ranks, contiguous layout, float64, vs full causal SDPA; who sends to
+    whom, and no collective (see the module docstring for the mistakes)."""
     probe = torch.zeros(1, 1, 2, 2, dtype=torch.float64)
-    res = on_ranks(_run_ring, 2, ring_forward, what="ring_forward",
-                   probe=lambda: ring_forward(probe, probe, probe))
-    for rank, (got, want) in enumerate(res):
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            raise CheckFailed(f"rank {rank}: ring_forward must return this rank's output chunk "
-                              f"of shape {tuple(want.shape)}")
-        if not _close(got, want):
-            raise CheckFailed(f"rank {rank}: the output differs from full causal attention. "
-                              f"Mask each block with causal_mask(my positions, the block "
-                              f"owner's positions), and merge with the log-sum-exp rule")
-    passed("the ring's output equals full causal attention on 2 ranks (float64)")
+    for world in RING_WORLDS:
+        res = on_ranks(_run_ring, world, ring_forward, what=f"ring_forward on {world} ranks",
+                       probe=lambda: ring_forward(probe, probe, probe))
+        for rank, (got, want, sends, collectives) in enumerate(res):
+            case = f"{world} ranks, rank {rank}"
+            if collectives:
+                raise CheckFailed(
+                    f"{case}: ring_forward called {sorted(set(collectives))}: that gathers "
+                    f"K/V with a collective (the all-gather variant). The ring passes one "
+                    f"block at a time to the next rank with isend/irecv")
+            if len(sends) != world - 1:
+                raise CheckFailed(
+                    f"{case}: {len(sends)} point-to-point sends; a ring of {world} ranks "
+                    f"passes a block on {world - 1} times (every step but the last), one "
+                    f"message carrying k and v stacked")
+            if len(set(sends)) != 1:
+                raise CheckFailed(
+                    f"{case}: sends went to ranks {sends}; in a ring every block goes to "
+                    f"the same neighbour, (rank + 1) % cp, which passes it on")
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                raise CheckFailed(f"{case}: ring_forward must return this rank's output "
+                                  f"chunk of shape {tuple(want.shape)}, got "
+                                  f"{getattr(got, 'shape', type(got).__name__)}")
+            if not _close(got, want):
+                raise CheckFailed(
+                    f"{case}: the output differs from full causal attention. At step s the "
+                    f"block you hold came from rank (rank - s) % cp if you receive from "
+                    f"rank - 1: mask it with causal_mask(my positions, its owner's "
+                    f"positions), and merge with the log-sum-exp rule")
+    passed(f"the ring's output equals full causal attention on {' and '.join(map(str, RING_WORLDS))}"
+           f" ranks (float64), with cp - 1 sends to one neighbour and no collective")
