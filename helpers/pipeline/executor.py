@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from helpers.clock import clock_for, elapsed, seconds
 from helpers.comm import group_rank, world_size
 from helpers.model import GPT, lm_loss
 from helpers.pipeline.p2p import plan_messages, post
@@ -191,24 +192,28 @@ class StepRecorder:
     ``done(action)`` at its end; ``saving(owner)`` and ``hold(owner, tensor)`` around a
     forward feed the stash meter (``helpers.pipeline.stash``), when there is one."""
 
-    def __init__(self, exclude: list, measure_stash: bool):
+    def __init__(self, exclude: list, measure_stash: bool, clock=None):
         self.meter = StashMeter(exclude=exclude) if measure_stash else None
-        self.timeline, self.recv_wait, self.cpu_time = [], [], []
+        # helpers.clock marks, resolved in result(): on a GPU, CUDA events, so that
+        # "input there" is when the receive finished, not when nccl queued it
+        self.clock = clock_for() if clock is None else clock
+        self.timeline, self.waits, self.cpu_time = [], [], []
         self.messages_sent = self.peak_pending = 0
 
     def waiting(self) -> None:
-        self._t_wait = time.perf_counter()
+        self._t_wait = self.clock.mark()
 
     def computing(self) -> None:
-        self._t0, self._c0 = time.perf_counter(), time.thread_time()
-        self.recv_wait.append(self._t0 - self._t_wait)
+        # thread_time: CPU seconds of this host thread (cpu_share), a host quantity
+        self._t0, self._c0 = self.clock.mark(), time.thread_time()
+        self.waits.append((self._t_wait, self._t0))
 
     def sent(self, in_flight: int) -> None:
         self.messages_sent += 1
         self.peak_pending = max(self.peak_pending, in_flight)
 
     def done(self, action: Action) -> None:
-        self.timeline.append((self._t0, time.perf_counter(), action))
+        self.timeline.append((self._t0, self.clock.mark(), action))
         self.cpu_time.append(time.thread_time() - self._c0)
 
     def saving(self, owner):
@@ -221,9 +226,11 @@ class StepRecorder:
     def result(self, loss: float | None, num_chunks: int) -> StepResult:
         peak_bytes, peak_mb = self.meter.peaks() if self.meter else (0, float("nan"))
         units = self.meter.unit_bytes() if self.meter else {}
-        return StepResult(loss, self.timeline, peak_mb, peak_bytes,
+        timeline = [(seconds(t0), seconds(t1), a) for t0, t1, a in self.timeline]
+        recv_wait = [elapsed(t_wait, t0) for t_wait, t0 in self.waits]
+        return StepResult(loss, timeline, peak_mb, peak_bytes,
                           [units.get(c, 0) for c in range(num_chunks)], self.messages_sent,
-                          self.peak_pending, self.recv_wait, self.cpu_time)
+                          self.peak_pending, recv_wait, self.cpu_time)
 
 
 def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
@@ -297,7 +304,7 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             next_group = next(groups, None)
 
     params = [q for c in chunks for q in (*c.parameters(), *c.buffers())]
-    rec = StepRecorder([*params, x, y], measure_stash)
+    rec = StepRecorder([*params, x, y], measure_stash, clock_for(x.device))
     stash: dict[tuple[int, int], tuple] = {}
     losses = []
     for i, a in enumerate(sched[rank]):

@@ -27,11 +27,11 @@ as on a GPU. What separates a measurement from the formula (p-1)/(v*m+p-1):
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from helpers.clock import clock_for, elapsed
 from helpers.launch import rank_info
 from helpers.pipeline.schedules import Action
 
@@ -71,7 +71,8 @@ def cpu_share(results: list[dict]) -> float:
 
 def measured_bubble(timelines: list[list[tuple[float, float, Action]]]):
     """(intervals shifted to start at 0, makespan, bubble fraction) of per-rank timelines
-    taken on one machine (time.perf_counter is one clock for all its processes)."""
+    taken on one machine (helpers.clock resolves every rank's marks on the host
+    ``perf_counter`` scale, one clock for all the machine's processes)."""
     t0 = min(s for row in timelines for s, _, _ in row)
     shifted = [[(s - t0, e - t0, a) for s, e, a in row] for row in timelines]
     span = max(e for row in shifted for _, e, _ in row)
@@ -132,16 +133,17 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
             return res.loss, res.timeline, res
 
     times, timelines, cpu_times, out = [], [], [], None
+    clk = clock_for(device)
     stash = [None, None, None]
     for i in range(steps + 1):
         for q in params:
             q.grad = None
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clk.mark()
         out = step(i == 0)
         dist.barrier()
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed(t0, clk.mark()))
             timelines.append(out[1])
             cpu_times.append(out[2].cpu_time if out[2] is not None else None)
     loss, _, res = out
@@ -164,15 +166,17 @@ def layer_costs(model, x: torch.Tensor, y: torch.Tensor, repeats: int = 5) -> di
     layer_costs=...)`` or ``partition``."""
     from helpers.model import lm_loss
 
+    clk = clock_for(x.device)
+
     def timed(fn, inp):
         out_times = []
         for i in range(repeats + 1):  # the first run warms up allocator and kernels
             a = inp.detach().requires_grad_(inp.is_floating_point())
-            t0 = time.perf_counter()
+            t0 = clk.mark()
             out = fn(a)
             (out if out.dim() == 0 else out.float().square().mean()).backward()
             if i:
-                out_times.append(time.perf_counter() - t0)
+                out_times.append(elapsed(t0, clk.mark()))  # on a GPU: the kernels' end
         return min(out_times)
 
     with torch.no_grad():
@@ -193,17 +197,20 @@ def p2p_latency(numel: int, repeats: int = 50) -> float:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     buf = torch.zeros(numel, device=rank_info().device)  # nccl sends GPU tensors only
+    # helpers.clock: under nccl send/recv return once queued; a CUDA event after
+    # them completes when the transfer has (the stream waits on the p2p stream)
+    clk = clock_for(buf.device)
     rtts = []
     for _ in range(repeats + 1):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clk.mark()
         if rank == 0:
             dist.send(buf, 1)
             dist.recv(buf, 1)
         elif rank == 1:
             dist.recv(buf, 0)
             dist.send(buf, 0)
-        rtts.append(time.perf_counter() - t0)
+        rtts.append(elapsed(t0, clk.mark()))
     return statistics.median(rtts[1:]) / 2
 
 
