@@ -23,7 +23,12 @@ from helpers.ddp import BucketedDDP
 from helpers.ddp import assign_buckets as _reference_buckets
 from helpers.tolerance import within_fp32_noise
 
-CASES = [  # (sizes in bytes, cap, first cap)
+CASES = [  # (sizes in bytes, cap, first cap); the mistake each case is there for:
+    ([100] * 6, 400, 150),    # first bucket closes between its two caps (200): cap for all
+    ([100] * 4, 200, 200),    # fills hit the cap exactly: "more than" instead of "at least"
+    ([50, 50, 300, 50], 120, 90),  # 300 overshoots: closing *before* the parameter that
+                                   # would overflow, instead of after it
+    ([], 100, 100),           # no parameters: no buckets (not [[]])
     ([400] * 6, 800, 400),
     ([400] * 6, 10_000, 10_000),
     ([400] * 6, 0, 0),
@@ -34,30 +39,62 @@ CASES = [  # (sizes in bytes, cap, first cap)
 ]
 
 
+def _drawn_cases(n: int = 20, seed: int = 4) -> list:
+    """Random cases from a fixed seed (each printed on failure, so it reproduces):
+    sizes 1..600 bytes, caps around a few parameters' worth, the first cap below,
+    equal to or above the others."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        sizes = [rng.randint(1, 600) for _ in range(rng.randint(1, 12))]
+        cap = rng.randint(1, 1500)
+        cases.append((sizes, cap, rng.choice([cap, rng.randint(1, cap), cap * 2])))
+    return cases
+
+
 def check_assign_buckets(assign_buckets) -> None:
-    for sizes, cap, first in CASES:
+    """Catches (case in CASES, then 20 drawn from a fixed seed):
+    * buckets in registration order: named ("walk from the last");
+    * ignores first_cap_bytes, or uses it for every bucket: ``[100]*6, 400, 150``;
+    * closes only when *over* the cap: ``[100]*4, 200, 200``;
+    * closes before the parameter that would overflow: ``[50, 50, 300, 50], 120, 90``;
+    * drops the last, partly filled bucket: ``[4]*10, 12, 4``;
+    * appends the open bucket even when empty (``[[]]`` for no parameters, or a
+      trailing ``[]`` after an exact fill): ``[], 100, 100`` and ``[100]*6, 400, 150``;
+    * a parameter lost or repeated: named;
+    * returns None / not a list of lists, or raises: named, with the case.
+    """
+    for sizes, cap, first in [*CASES, *_drawn_cases()]:
         want = _reference_buckets(sizes, cap, first)
-        got = attempt(assign_buckets, list(sizes), cap, first, what="assign_buckets")
+        got = attempt(assign_buckets, list(sizes), cap, first,
+                      what=f"assign_buckets({sizes}, cap={cap}, first={first})")
         try:
             got = [list(map(int, b)) for b in got]
-        except TypeError:
-            raise CheckFailed(f"assign_buckets should return a list of lists of indices, "
-                              f"got {got!r}") from None
+        except (TypeError, ValueError):
+            raise CheckFailed(f"assign_buckets({sizes}, cap={cap}, first={first}) should "
+                              f"return a list of lists of indices, got {got!r}") from None
         if got == want:
             continue
         flat = [i for b in got for i in b]
         hint = ""
-        if sorted(flat) != list(range(len(sizes))):
+        if any(not b for b in got):
+            hint = (" A bucket is never empty: after the loop, append the open bucket only "
+                    "if it holds something.")
+        elif sorted(flat) != list(range(len(sizes))):
             hint = " Every parameter index must appear in exactly one bucket."
         elif flat == sorted(flat) and len(sizes) > 1:
             hint = (" Your buckets follow registration order; backward produces gradients "
                     "in reverse, so walk the parameters from the last to the first.")
         elif [len(b) for b in got] != [len(b) for b in want]:
-            hint = (" Close a bucket as soon as it holds at least its cap; the first bucket "
-                    "uses first_cap_bytes, later ones cap_bytes.")
+            hint = (" Add the parameter first, then close the bucket as soon as it holds at "
+                    "least its cap (>=, not >); the first bucket uses first_cap_bytes, later "
+                    "ones cap_bytes; a last, partly filled bucket is still a bucket.")
         raise CheckFailed(f"assign_buckets({sizes}, cap={cap}, first={first}) = {got}, "
                           f"expected {want}.{hint}")
-    passed(f"bucket assignment matches the reference (and DDP's rule) on {len(CASES)} cases")
+    passed(f"bucket assignment matches the reference (and DDP's rule) on {len(CASES)} edge "
+           f"cases and {len(_drawn_cases())} drawn ones")
 
 
 class _Shuffled(torch.nn.Module):
@@ -83,21 +120,23 @@ def _run_hook(cls):
     from helpers.data import make_dataset
     from helpers.model import build_model
 
-    r = rank_info().rank
+    r, p = rank_info().rank, rank_info().world_size
     out = {}
     # 1) the toy GPT: same gradients as one process, overlap visible in the timeline
     data = make_dataset(seq_len=16, num_sequences=16)
-    x, y = data.batch(range(4))
-    ddp = cls(build_model("toy", seed=0), bucket_cap_mb=0.01, first_bucket_mb=0.001)
+    x, y = (t.to(rank_info().device) for t in data.batch(range(2 * p)))
+    ddp = cls(build_model("toy", seed=0).to(rank_info().device),
+              bucket_cap_mb=0.01, first_bucket_mb=0.001)
     ddp(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])[1].backward()
     out["grads"] = [p.grad.clone() for p in ddp.module.parameters()]
     out["timeline"] = ddp.timeline
     out["n_buckets"] = len(ddp.buckets)
     # 2) readiness out of bucket order
     torch.manual_seed(0)
-    shuffled = _Shuffled()
+    shuffled = _Shuffled().to(rank_info().device)
     ddp2 = cls(shuffled, bucket_cap_mb=0.001, first_bucket_mb=0.001)
-    ddp2(torch.randn(4, 64, generator=torch.Generator().manual_seed(r))).backward()
+    ddp2(torch.randn(4, 64, generator=torch.Generator().manual_seed(r))
+         .to(rank_info().device)).backward()
     out["timeline2"] = ddp2.timeline
     out["n_buckets2"] = len(ddp2.buckets)
     return out
@@ -111,40 +150,71 @@ def _probe(cls):
     ddp(x, x)[1].backward()
 
 
+WORLDS = (3, 4)  # the hook has nothing per world size to hard-code, but a rank's
+# result is averaged over p: a "/ 2" written into finish_backward shows at 3 and 4
+
+
 def check_grad_ready_hook(cls) -> None:
-    """Run ``cls`` (a BucketedDDP subclass) on 2 ranks; compare with one process."""
+    """Run ``cls`` (a BucketedDDP subclass) on 3 and 4 ranks; compare with one process.
+
+    Catches:
+    * launches each bucket as soon as it is complete, out of bucket order: the model
+      whose bucket 0 is ready last (``_Shuffled``) shows it (the base refuses it);
+    * launches everything at the end of backward: no overlap in the timeline (named);
+    * an ``if`` where a ``while`` belongs in launch_ready_buckets: a bucket never
+      launched (its future None, named);
+    * never writes the averages back into ``.grad``, or writes them without the
+      parameter's shape, or divides again (by p or a fixed 2): gradients differ from
+      one process (named);
+    * never records 'ready', or records it twice: named;
+    * passes an instance, or a class not derived from BucketedDDP: named;
+    * any other exception: the rank's error, as CheckFailed.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, BucketedDDP)):
+        raise CheckFailed(f"pass your BucketedDDP subclass (the class itself), got {cls!r}")
+    for world in WORLDS:
+        results = on_ranks(_run_hook, world, cls, what=f"{cls.__name__} on {world} ranks",
+                           probe=lambda: _probe(cls), hints=_HINTS)
+        _compare(results, world)
+    passed(f"hook-driven buckets on {' and '.join(map(str, WORLDS))} ranks: same gradients as "
+           f"one process, {results[0]['n_buckets']} buckets launched in order, the first "
+           f"while backward was still running")
+
+
+_HINTS = {"NoneType": "a bucket's future is None: it was never launched. "
+                      "launch_ready_buckets must keep launching while the "
+                      "next bucket is complete, and finish_backward must "
+                      "launch what is left before waiting."}
+
+
+def _compare(results: list, world: int) -> None:
     from helpers.data import make_dataset
     from helpers.model import build_model
 
-    if not (isinstance(cls, type) and issubclass(cls, BucketedDDP)):
-        raise CheckFailed(f"pass your BucketedDDP subclass (the class itself), got {cls!r}")
-    results = on_ranks(_run_hook, 2, cls, what=f"{cls.__name__}", probe=lambda: _probe(cls),
-                       hints={"NoneType": "a bucket's future is None: it was never launched. "
-                                          "launch_ready_buckets must keep launching while the "
-                                          "next bucket is complete, and finish_backward must "
-                                          "launch what is left before waiting."})
     ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
-    x, y = make_dataset(seq_len=16, num_sequences=16).batch(range(4))
+    x, y = make_dataset(seq_len=16, num_sequences=16).batch(range(2 * world))
     ref(x, y)[1].backward()
     ref64(x, y)[1].backward()  # float64: the exact answer, to ~1e-16
     for rank, out in enumerate(results):
         for (name, p), p64, g in zip(ref.named_parameters(), ref64.parameters(), out["grads"]):
             # another fp32 summation order than one process: as close to
             # float64 as the fp32 reference is (helpers.tolerance)
-            if not within_fp32_noise(g, p.grad, p64.grad)[0]:
+            if g is None or g.shape != p.shape or not within_fp32_noise(g, p.grad, p64.grad)[0]:
                 raise CheckFailed(
-                    f"rank {rank}: {name}.grad is not the global-batch gradient. After "
-                    f"backward every .grad must hold the average over ranks: finish_backward "
-                    f"waits for each bucket's future and writes its averaged values back.")
+                    f"{world} ranks, rank {rank}: {name}.grad is not the global-batch "
+                    f"gradient. After backward every .grad must hold the average over ranks "
+                    f"(the future's buffer is already averaged: don't divide again): "
+                    f"finish_backward waits for each bucket's future and writes its averaged "
+                    f"values back, in the parameter's shape.")
         for key, nb in (("timeline", "n_buckets"), ("timeline2", "n_buckets2")):
             tl, n = out[key], out[nb]
             launched = [e["bucket"] for e in tl if e["event"] == "launched"]
             if launched != list(range(n)):
                 raise CheckFailed(
-                    f"rank {rank}: buckets were launched in the order {launched}, expected "
-                    f"{list(range(n))}. Collectives must be issued in the same order on every "
-                    f"rank: launch bucket b only after buckets 0..b-1, and keep going while "
-                    f"the next one is complete.")
+                    f"{world} ranks, rank {rank}: buckets were launched in the order "
+                    f"{launched}, expected {list(range(n))}. Collectives must be issued in "
+                    f"the same order on every rank: launch bucket b only after buckets "
+                    f"0..b-1, and keep going while the next one is complete.")
         tl = out["timeline"]
         t = {(e["bucket"], e["event"]): e["t"] for e in tl}
         n = out["n_buckets"]
@@ -155,7 +225,6 @@ def check_grad_ready_hook(cls) -> None:
                               "the hook, not at the end of backward.")
         ready = [e["bucket"] for e in out["timeline2"] if e["event"] == "ready"]
         if sorted(ready) != list(range(out["n_buckets2"])):
-            raise CheckFailed(f"rank {rank}: 'ready' recorded for buckets {ready}; record "
-                              f"self.record(b, 'ready') once per bucket when its count hits 0")
-    passed(f"hook-driven buckets: same gradients as one process, {results[0]['n_buckets']} "
-           f"buckets launched in order, the first while backward was still running")
+            raise CheckFailed(f"{world} ranks, rank {rank}: 'ready' recorded for buckets "
+                              f"{ready}; record self.record(b, 'ready') once per bucket when "
+                              f"its count hits 0")
