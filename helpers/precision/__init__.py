@@ -27,7 +27,7 @@ scales per block (MXFP8) instead of per tensor. The private
 
 from helpers.precision.block_scaling import (FP8_EMAX, block_dequantize, block_quantize,
                                              mx_quantize, tile_quantize)
-from helpers.precision.fp8 import (E4M3, E5M2, FP8_MAX, DelayedScaling, all_reduce_amax,
+from helpers.precision.fp8 import (E4M3, E5M2, FP8_MAX, DelayedScaling, all_reduce_amax, cast_and_amax,
                                    dequantize, fp8_round_trip, fp8_scale, quantize,
                                    update_delayed_scale)
 from helpers.precision.fp8_linear import FP8Linear, swap_to_fp8
@@ -37,7 +37,7 @@ from helpers.precision.scaled_mm import FP8_GEMM, fp8_gemm, scaled_mm_available
 
 __all__ = ["DynamicLossScaler", "train_fp16",
            "E4M3", "E5M2", "FP8_MAX", "fp8_scale", "quantize", "dequantize", "fp8_round_trip",
-           "update_delayed_scale", "DelayedScaling", "all_reduce_amax",
+           "update_delayed_scale", "cast_and_amax", "DelayedScaling", "all_reduce_amax",
            "FP8_EMAX", "block_quantize", "block_dequantize", "mx_quantize", "tile_quantize",
            "FP8_GEMM", "scaled_mm_available", "fp8_gemm",
            "FP8Linear", "swap_to_fp8", "FP8SavedTensors"]

@@ -36,7 +36,8 @@ from helpers.comm import world_size
 from helpers.validate import positive_int
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "check_fp8", "fp8_scale", "quantize", "dequantize",
-           "fp8_round_trip", "update_delayed_scale", "DelayedScaling", "all_reduce_amax"]
+           "fp8_round_trip", "cast_and_amax", "update_delayed_scale", "DelayedScaling",
+           "all_reduce_amax"]
 
 
 E4M3 = torch.float8_e4m3fn   # "fn": finite, no inf; max 448 (Micikevicius et al. 2022, Table 1)
@@ -100,6 +101,34 @@ def update_delayed_scale(amax_history: torch.Tensor, new_amax, scale, *, fp8_max
     return history, new_scale
 
 
+def _cast_and_amax(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype), x.abs().amax().float()
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def cast_and_amax(x: torch.Tensor, scale: torch.Tensor, dtype, fused: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x cast to FP8 with ``scale``, amax of x): what delayed scaling does to each tensor.
+
+    Eagerly that is two passes over x (and a third for the fp32 copy of a bf16 x),
+    each a kernel reading x from memory: for a layer's activations that traffic can
+    cost more than the FP8 GEMM saves. ``fused=True`` runs the same function through
+    ``torch.compile``, whose Inductor backend can emit the scale-clamp-cast and the
+    amax reduction from one read of x (Transformer Engine's cast kernels compute the
+    amax while they cast, for the same reason). The result is the same bits either
+    way: multiply, clamp, cast and max are each exactly rounded, in any order.
+    The first call compiles (tens of seconds on a CPU, seconds on a GPU)."""
+    fn = _cast_and_amax
+    if fused:
+        if "fn" not in _COMPILED:
+            _COMPILED["fn"] = torch.compile(_cast_and_amax, fullgraph=True)
+        fn = _COMPILED["fn"]
+    return fn(x, scale, check_fp8(dtype), dtype)
+
+
 @dataclasses.dataclass
 class DelayedScaling:
     """The scale of one tensor (e.g. a layer's input) across steps."""
@@ -109,6 +138,7 @@ class DelayedScaling:
     margin: int = 0
     algo: str = "max"
     device: torch.device | str | None = None   # where the history and scale live
+    fused: bool = False   # cast and amax in one compiled kernel (``cast_and_amax``)
 
     def __post_init__(self) -> None:
         check_fp8(self.dtype)
@@ -139,13 +169,12 @@ class DelayedScaling:
         if scale is not None:
             return quantize(x.detach(), self.dtype, scale.to(x.device)), scale
         self._follow(x.device)
+        if self.steps == 0:   # no history yet: this tensor's own amax sets the first scale
+            self.scale = fp8_scale(x.detach().abs().amax().float(), self.dtype, self.margin)
+        scale = self.scale
         # amax stays on the device: reading it on the host (.item(), .cpu()) would
         # make the CPU wait for the GPU three times per layer per step.
-        amax = x.detach().abs().amax().float()
-        if self.steps == 0:
-            self.scale = fp8_scale(amax, self.dtype, self.margin)
-        scale = self.scale
-        x8 = quantize(x.detach(), self.dtype, scale)
+        x8, amax = cast_and_amax(x.detach(), scale, self.dtype, self.fused)
         self.amax_history, self.scale = update_delayed_scale(
             self.amax_history, amax, self.scale, fp8_max=FP8_MAX[self.dtype],
             margin=self.margin, algo=self.algo)
