@@ -1,11 +1,28 @@
-"""On a GPU node: the launcher and the mechanisms of chapters 01-05 and 11-12 on nccl.
+"""On a GPU node: the launcher, the collectives and the course's mechanisms on CUDA.
 
-Skipped without CUDA (CI has none; an instructor runs them before a workshop).
-With one GPU they run one rank on nccl (every tensor on cuda:0, every
-collective through nccl, only the arithmetic of p = 1); with two or more, two
-ranks, one per GPU. ZeRO, FSDP, compression and FP8 have their GPU tests
-beside their CPU ones (tests/test_zero.py, test_fsdp.py, test_compression.py,
-test_precision.py, test_memory.py).
+Skipped without CUDA (CI has none; an instructor runs them before a workshop
+with ``make test-gpu``). What one GPU checks:
+
+* nccl with one rank (``WORLD`` = 1): every tensor on cuda:0, every collective
+  through nccl, only the arithmetic of p = 1; with two or more GPUs, two ranks,
+  one per GPU;
+* gloo with CUDA tensors, 2-4 ranks sharing the one GPU, for the collectives
+  gloo runs on CUDA tensors that the course uses: all_reduce, broadcast and
+  all_gather (torch.distributed's backend table, docs/source/distributed.md,
+  as updated by pytorch/pytorch#149869 in 2025; broadcast and all_reduce have
+  had a CUDA path since PyTorch 1.0);
+* the model at SIZE "small" on the rank's GPU, built by the default device
+  (``build_model`` and ``MarkovDataset.batch`` follow ``rank_info().device``),
+  through the helpers' rank functions that the notebooks use: a data-parallel
+  step (naive and bucketed), tensor-parallel GPT, a pipeline step, an FSDP
+  step, ring attention and an expert-parallel MoE GPT, each against the
+  unsplit model on the same GPU.
+
+What needs a node with several GPUs: nccl with more than one rank (the same
+tests then run on 2 GPUs), NVLink and topology (chapter 07), and any timing.
+ZeRO, FSDP, compression and FP8 also have GPU tests beside their CPU ones
+(tests/test_zero.py, test_fsdp.py, test_compression.py, test_precision.py,
+test_memory.py).
 """
 
 import os
@@ -19,12 +36,19 @@ import torch.distributed as dist
 
 from helpers import RankError, launch, rank_info
 from helpers.collectives import ring_all_reduce, sweep
+from helpers.data import make_dataset
 from helpers.ddp import BucketedDDP
-from helpers.model import build_model
+from helpers.fsdp import FSDP
+from helpers.model import GPTConfig, build_model
+from helpers.moe import apply_ep, apply_moe
+from helpers.naive_dp import average_gradients, broadcast_parameters
 from helpers.pipeline import one_f_one_b
 from helpers.pipeline.executor import chunk_grads, pipeline_step, reference_grads, split_model
+from helpers.sp.attention.ring import ring_attention
+from helpers.sp.layout import shard_sequence
 from helpers.steptime import PARTS, dp_step_profile
 from helpers.tolerance import within_fp32_noise
+from helpers.tp import gather_dense, tensor_parallel_gpt
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = min(GPUS, 2)
@@ -164,3 +188,219 @@ def test_torchrun_with_nccl(tmp_path):
                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"RESULT {[('nccl', float(WORLD))] * WORLD}" in out.stdout, out.stdout
+
+
+# --------------------------------------------------------------------------
+# gloo with CUDA tensors: several ranks on the one GPU
+# --------------------------------------------------------------------------
+
+def _gloo_collectives_on_cuda():
+    info = rank_info()
+    dev = torch.device("cuda", 0)  # every rank on the same GPU: gloo copies through the host
+    x = torch.arange(5, dtype=torch.float32, device=dev) + info.rank
+    summed, sent = x.clone(), x.clone()
+    dist.all_reduce(summed)
+    dist.broadcast(sent, src=0)
+    parts = [torch.empty_like(x) for _ in range(info.world_size)]
+    dist.all_gather(parts, x)
+    on_cuda = all(t.is_cuda for t in (summed, sent, *parts))
+    return info.backend, on_cuda, summed, sent, torch.stack(parts)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gloo_collectives_on_cuda_tensors(world):
+    base = torch.arange(5, dtype=torch.float32)
+    for backend, on_cuda, summed, sent, gathered in launch(_gloo_collectives_on_cuda, world,
+                                                           backend="gloo"):
+        assert backend == "gloo" and on_cuda
+        # small integers in float32: every sum is exact, in any order
+        assert torch.equal(summed, world * base + sum(range(world)))
+        assert torch.equal(sent, base)
+        assert torch.equal(gathered, torch.stack([base + r for r in range(world)]))
+
+
+# --------------------------------------------------------------------------
+# The helpers' rank functions with the "small" model on the rank's GPU
+# --------------------------------------------------------------------------
+
+SIZE = "small"  # 6 layers, 6 heads, 384 wide: GPU kernels, not Python, do the work
+B, T = 4, 64    # sequences per rank, tokens per sequence
+# float64 results computed in another order (sharded, on other kernels): float64
+# rounding (u = 1.1e-16) over sums of a few thousand terms stays below 1e-12
+# relative to the result's scale; 1e-9 leaves room, while a wrong shard, mask or
+# route is off by O(1) of the scale
+REL64 = 1e-9
+
+
+def _batch(p: int):
+    """The global batch (x, y) of p ranks: the same on every rank, drawn on the
+    CPU, handed over on the rank's device (``batch``'s default)."""
+    return make_dataset(vocab_size=64, seq_len=T, num_sequences=B * p).batch(range(B * p))
+
+
+def _references(x, y, build=lambda: build_model(SIZE)):
+    """The unsplit model's gradients on the whole batch, in float32 and float64."""
+    return [reference_grads(build().to(dtype), x, y)[1] for dtype in (torch.float32, torch.float64)]
+
+
+def _outside_fp32_noise(got: dict, ref32: dict, ref64: dict) -> str:
+    """The first gradient of ``got`` farther from the float64 answer than float32
+    rounding allows (helpers.tolerance), or "" if none."""
+    if not got:
+        return "no gradients"
+    for name, g in got.items():
+        ok, err, bound = within_fp32_noise(g, ref32[name], ref64[name])
+        if not ok:
+            return f"{name}: {err:.3g} > {bound:.3g}"
+    return ""
+
+
+def _rel64(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.double() - want.double()).abs().max().item() / max(want.abs().max().item(), 1e-300)
+
+
+def _devices(*tensors) -> set:
+    return {t.device.type for t in tensors}
+
+
+def _data_parallel_small():
+    info = rank_info()
+    x, y = _batch(info.world_size)
+    mine = slice(info.rank * B, (info.rank + 1) * B)
+    naive = build_model(SIZE, seed=info.rank)  # each rank starts elsewhere: the broadcast fixes it
+    broadcast_parameters(naive)
+    naive(x[mine], y[mine])[1].backward()
+    average_gradients(naive)
+    ddp = BucketedDDP(build_model(SIZE))
+    ddp(x[mine], y[mine])[1].backward()
+    ref32, ref64 = _references(x, y)
+    grads = [{n: q.grad for n, q in m.named_parameters()} for m in (naive, ddp.module)]
+    return (_devices(x, *naive.parameters(), *ddp.module.parameters()),
+            [_outside_fp32_noise(g, ref32, ref64) for g in grads])
+
+
+def test_data_parallel_step_of_the_small_model_on_the_gpu():
+    for devices, problems in launch(_data_parallel_small, WORLD, timeout=180):
+        assert devices == {"cuda"}
+        # the mean of per-rank gradients vs the global batch's: float32 summation
+        # order only, so within the float32 reference's own noise
+        assert problems == ["", ""], problems
+
+
+def _tensor_parallel_small():
+    x, y = _batch(1)  # tensor parallelism: every rank sees the whole batch
+    # float64: the vocab-parallel loss is another formula than F.cross_entropy
+    dense = build_model(SIZE).double()
+    tp = tensor_parallel_gpt(build_model(SIZE).double())
+    loss_tp, loss = tp(x, y)[1], dense(x, y)[1]
+    loss_tp.backward()
+    loss.backward()
+    got = gather_dense(tp, grads=True)
+    worst = max(_rel64(got[n], q.grad) for n, q in dense.named_parameters())
+    return _devices(*tp.parameters()), _rel64(loss_tp.detach(), loss.detach()), worst
+
+
+def test_tensor_parallel_gpt_small_on_the_gpu():
+    for devices, loss_err, grad_err in launch(_tensor_parallel_small, WORLD, timeout=180):
+        assert devices == {"cuda"}
+        assert loss_err <= REL64 and grad_err <= REL64, (loss_err, grad_err)
+
+
+def _pipeline_small():
+    info = rank_info()
+    x, y = _batch(2)  # 8 sequences, 4 micro-batches of 2
+    chunks = split_model(build_model(SIZE), info.world_size)[info.rank]
+    pipeline_step(chunks, one_f_one_b(info.world_size, 4), x, y)
+    ref32, ref64 = _references(x, y)
+    return (_devices(*(q for c in chunks for q in c.parameters())),
+            _outside_fp32_noise(chunk_grads(chunks), ref32, ref64))
+
+
+def test_pipeline_step_of_the_small_model_on_the_gpu():
+    for devices, problem in launch(_pipeline_small, WORLD, timeout=180):
+        assert devices == {"cuda"}
+        # the same float32 ops split across stages and micro-batches: rounding only
+        assert problem == "", problem
+
+
+def _fsdp_small():
+    info = rank_info()
+    x, y = _batch(info.world_size)
+    mine = slice(info.rank * B, (info.rank + 1) * B)
+    fsdp = FSDP(build_model(SIZE))
+    fsdp(x[mine], y[mine])[1].backward()
+    grads = fsdp.full_grads()
+    torch.optim.AdamW(fsdp.parameters(), lr=1e-3).step()  # the optimizer steps the GPU shards
+    ref32, ref64 = _references(x, y)
+    return (_devices(*fsdp.parameters(), *fsdp.full_parameters().values()),
+            _outside_fp32_noise(grads, ref32, ref64))
+
+
+def test_fsdp_step_of_the_small_model_on_the_gpu():
+    for devices, problem in launch(_fsdp_small, WORLD, timeout=180):
+        assert devices == {"cuda"}
+        assert problem == "", problem  # averaged shards vs the global batch: rounding only
+
+
+def _ring_attention_small():
+    dev = rank_info().device
+    cfg = GPTConfig.from_name(SIZE)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.randn(2, cfg.n_head, cfg.block_size, cfg.head_dim, generator=g,
+                                  dtype=torch.float64).to(dev) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
+    want.backward(d_out)
+    errs, devices = {}, set()
+    for layout in ("contiguous", "zigzag"):
+        local = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, layout=layout)
+        out.backward(shard_sequence(d_out, layout=layout))
+        errs[layout] = max([_rel64(out, shard_sequence(want.detach(), layout=layout))]
+                           + [_rel64(a.grad, shard_sequence(b.grad, layout=layout))
+                              for a, b in zip(local, full)])
+        devices |= _devices(out, *(a.grad for a in local))
+    return devices, errs
+
+
+def test_ring_attention_at_the_small_model_shape_on_the_gpu():
+    for devices, errs in launch(_ring_attention_small, WORLD, timeout=180):
+        assert devices == {"cuda"}
+        assert all(e <= REL64 for e in errs.values()), errs  # float64 vs float64 SDPA
+
+
+def _moe_small():
+    info = rank_info()
+    p = info.world_size
+    x, y = _batch(p)
+    mine = slice(info.rank * B, (info.rank + 1) * B)
+
+    def moe_gpt():  # float64: a top-2 route must not flip on a rounding difference
+        return apply_moe(build_model(SIZE), num_experts=4, top_k=2, every=2).double()
+
+    model = apply_ep(moe_gpt(), dist.group.WORLD)
+    logits, loss = model(x[mine], y[mine])
+    (loss / p).backward()  # equal-sized ranks: the global mean is the mean of the ranks' means
+    ref = moe_gpt()
+    ref_logits, ref_loss = ref(x, y)
+    ref_loss.backward()
+    ref_grads = {n: q.grad for n, q in ref.named_parameters()}
+    ids = model.blocks[1].mlp.expert_ids  # this rank's experts, the same in every MoE block
+    worst = 0.0
+    for name, q in model.named_parameters():
+        grad = q.grad.clone()
+        if ".experts." in name:  # rank-local expert j is global expert ids[j]
+            head, rest = name.split(".experts.")
+            j, tail = rest.split(".", 1)
+            name = f"{head}.experts.{ids[int(j)]}.{tail}"
+        else:
+            dist.all_reduce(grad)  # replicated weights: the data-parallel sum
+        worst = max(worst, _rel64(grad, ref_grads[name]))
+    return (_devices(*model.parameters()), _rel64(logits.detach(), ref_logits.detach()[mine]),
+            worst)
+
+
+def test_expert_parallel_moe_small_on_the_gpu():
+    for devices, logit_err, grad_err in launch(_moe_small, WORLD, timeout=180):
+        assert devices == {"cuda"}
+        assert logit_err <= REL64 and grad_err <= REL64, (logit_err, grad_err)
