@@ -34,10 +34,10 @@ layout (Megatron-LM / TransformerEngine's ``attn_fwd_...cp`` kernels, PyTorch's
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
+from helpers.clock import clock_for, resolve
 from helpers.collectives.ring import post_pair
 from helpers.sp.attention.blocks import block_attention, causal_mask, check_qkv, merge_partials
 from helpers.sp.layout import cp_rank, cp_size, positions
@@ -89,8 +89,9 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
 
     Step i computes on the K/V block that started on rank r - i while the block of
     rank r - i - 1 is in flight. ``timeline`` (a list) gets one dict per span,
-    ``{"lane": "compute" | "comm" | "wait", "name", "start", "end"}`` in
-    ``time.perf_counter()`` seconds (``helpers.overlap.plot_timelines`` draws them):
+    ``{"lane": "compute" | "comm" | "wait", "name", "start", "end"}`` in seconds from
+    ``helpers.clock`` (``helpers.overlap.plot_timelines`` draws them; on a GPU the
+    marks are CUDA events, filled in when the forward returns):
     "comm" runs from posting the isend/irecv to the moment the wait returns, "wait"
     is the part of it the rank spent blocked. ``communicate=False`` computes the
     same cp blocks (same masks) on the local K/V, with no messages: the compute
@@ -104,23 +105,27 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
     kv = torch.stack([k, v]).to(dt)                           # (2, B, H, n, d): one message
     out = torch.zeros_like(qc)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=dt, device=q.device)
-    span = _spans(timeline)
+    clk = clock_for(q.device)
+    spans: list[dict] = []  # marks; resolved into ``timeline`` at the end
+    span = _spans(spans if timeline is not None else None)
     for step in range(cp):
-        t_post = time.perf_counter()
+        t_post = clk.mark()
         nxt, reqs = ring_shift(kv, group, tag=0) if communicate and step < cp - 1 else (kv, [])
         mask = block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
-        t0 = time.perf_counter()
+        t0 = clk.mark()
         if mask is None or mask.any():                        # fully masked: skip the block
             o, l = block_attention(qc, kv[0], kv[1], mask, scale)
             out, lse = merge_partials(out, lse, o, l)
-        t1 = time.perf_counter()
+        t1 = clk.mark()
         span("compute", f"block of rank {(r - step) % cp}", t0, t1)
         wait_all(reqs)                                        # next block arrived under compute
         if reqs:
-            t2 = time.perf_counter()
+            t2 = clk.mark()  # after the wait: on a GPU, when the K/V had arrived
             span("comm", f"K/V of rank {(r - step - 1) % cp}", t_post, t2)
             span("wait", "wait for K/V", t1, t2)
         kv = nxt
+    if timeline is not None:
+        timeline.extend(resolve(spans))
     return out, lse
 
 
