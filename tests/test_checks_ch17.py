@@ -1,10 +1,14 @@
 """Chapter 17's checks pass on the solution, fail on the lab's stubs and on plausible mistakes."""
 
+import hashlib
+import json
 import math
+import os
 import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch17
@@ -40,14 +44,124 @@ def _restore_without_numpy(state, sampler):
     random.setstate(state["python"])
 
 
+# -- exercise 1: wrong atomic saves, each one mistake ------------------------------------
+
+def _save(directory, step, data, *, partial=True, fsync_data=True, gather=True,
+          manifest_first=False, fsync_manifest=True, rename_by_all=False, last_barrier=True,
+          digest=lambda b: hashlib.sha256(b).hexdigest()):
+    """The right save with one mistake switched on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(directory, f"step{step:08d}")
+    tmp = final + ".partial" if partial else final
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    name = f"rank{rank}.bin"
+    mine = (name, digest(data))
+    digests = [None] * world
+    if gather:
+        dist.all_gather_object(digests, mine)
+    else:
+        digests = [mine]
+
+    def manifest():
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"step": step, "files": dict(digests)}, f)
+            f.flush()
+            if fsync_manifest:
+                os.fsync(f.fileno())
+
+    if manifest_first and rank == 0:
+        manifest()
+        dist.barrier()
+    elif manifest_first:
+        dist.barrier()
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync_data:
+            os.fsync(f.fileno())
+    dist.barrier()
+    if rank == 0 and not manifest_first:
+        manifest()
+    if partial and (rank == 0 or rename_by_all):
+        os.rename(tmp, final)
+    if last_barrier:
+        dist.barrier()
+
+
+def _save_no_fsync(d, s, b):
+    _save(d, s, b, fsync_data=False)
+
+
+def _save_in_place(d, s, b):
+    _save(d, s, b, partial=False)
+
+
+def _save_rank0_digest_only(d, s, b):
+    _save(d, s, b, gather=False)
+
+
+def _save_manifest_first(d, s, b):
+    _save(d, s, b, manifest_first=True)
+
+
+def _save_manifest_unsynced(d, s, b):
+    _save(d, s, b, fsync_manifest=False)
+
+
+def _save_every_rank_renames(d, s, b):
+    _save(d, s, b, rename_by_all=True)
+
+
+def _save_returns_early(d, s, b):
+    _save(d, s, b, last_barrier=False)
+
+
+def _save_md5(d, s, b):
+    _save(d, s, b, digest=lambda data: hashlib.md5(data).hexdigest())
+
+
+def _save_no_manifest(directory, step, data):  # files durable and renamed, no manifest
+    rank = dist.get_rank()
+    final = os.path.join(directory, f"step{step:08d}")
+    if rank == 0:
+        os.makedirs(final + ".partial", exist_ok=True)
+    dist.barrier()
+    with open(os.path.join(final + ".partial", f"rank{rank}.bin"), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()
+    if rank == 0:
+        os.rename(final + ".partial", final)
+    dist.barrier()
+
+
 class TestChapter17(ChapterChecks):
     lab = "labs/17_checkpoint_resume_lab.ipynb"
     sol = "solutions/17_checkpoint_resume_solution.ipynb"
     checks = {
+        "atomic_save": Check(ch17.check_atomic_save, slow=True),
         "resume_extras": Check(ch17.check_resume_extras, "capture_extras", "restore_extras"),
         "optimal_interval": Check(ch17.check_optimal_interval),
     }
     wrong = [
+        Wrong("atomic_save", _save_no_fsync, "no fsync of the data file", says="never fsynced"),
+        Wrong("atomic_save", _save_in_place, "writes straight into the final directory",
+              says="exactly one"),
+        Wrong("atomic_save", _save_rank0_digest_only, "manifest from rank 0's checksum only",
+              says="must list every rank's file"),
+        Wrong("atomic_save", _save_manifest_first, "manifest before the data files",
+              says="manifest must come after every rank's file is durable"),
+        Wrong("atomic_save", _save_manifest_unsynced, "manifest not fsynced before the rename",
+              says="before it fsynced manifest.json"),
+        Wrong("atomic_save", _save_every_rank_renames, "every rank renames",
+              says="FileNotFoundError|exactly one"),
+        Wrong("atomic_save", _save_returns_early, "ranks return before the commit",
+              says="returned before the checkpoint was committed"),
+        Wrong("atomic_save", _save_md5, "md5 instead of sha256", says="sha256"),
+        Wrong("atomic_save", _save_no_manifest, "no manifest at all", says="no manifest.json"),
         Wrong("resume_extras", {"capture_extras": _capture_all,
                                 "restore_extras": _restore_without_torch},
               "forgets the torch RNG", says="torch .dropout masks. generator"),

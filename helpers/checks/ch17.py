@@ -1,17 +1,20 @@
-"""Checks for chapter 17's lab: save and restore the data position and the RNG streams;
-the optimal checkpoint interval."""
+"""Checks for chapter 17's lab: the atomic save (checked with a rank killed in the middle);
+save and restore the data position and the RNG streams; the optimal checkpoint interval."""
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import tempfile
+import time
 
 import torch
+import torch.distributed as dist
 
 from helpers.checks import CheckFailed, attempt, expect_close, on_ranks, passed
 
-__all__ = ["check_resume_extras", "check_optimal_interval"]
+__all__ = ["check_atomic_save", "check_resume_extras", "check_optimal_interval"]
 
 
 def _advance(sampler, n: int) -> None:
@@ -118,3 +121,189 @@ def check_optimal_interval(optimal_interval) -> None:
         expect_close(got, want, f"optimal_interval({cost:g}, {mtbf:g})", rel=1e-12)
     passed("optimal_interval is Young's sqrt(2 x cost x MTBF): a 1-minute save every "
            f"{math.sqrt(2 * 60 * 3 * 3600) / 60:.0f} minutes when a job fails every 3 hours")
+
+
+# -- the atomic save ---------------------------------------------------------------------
+
+_SAVE_WORLD = 3
+
+
+def _payload(rank: int, step: int) -> bytes:
+    """Rank ``rank``'s serialized state at ``step``: distinct bytes per rank and step."""
+    return bytes((rank * 31 + step * 7 + i) % 256 for i in range(4096 + 512 * rank))
+
+
+def _fd_path(fd: int) -> str:
+    """The file an fd refers to (Linux's /proc; elsewhere its number)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+
+
+def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
+                 slow_commit: float) -> dict:
+    """Rank function: the learner's save with os.fsync and os.rename/os.replace traced.
+
+    ``kill_rank``: that rank SIGKILLs itself right after the first fsync of a regular
+    file (its data file is durable, the checkpoint is not committed yet).
+    ``slow_commit``: seconds a rename waits before it happens, so that a rank returning
+    before the commit is seen every time, not only when it happens to win a race."""
+    import signal
+    import stat
+
+    rank = dist.get_rank()
+    events: list[tuple] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        real_fsync(fd)
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        events.append(("fsync", _fd_path(fd) if regular else "<directory>", time.time()))
+        if regular and rank == kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a GPU falling off the bus ends it
+
+    def renamer(real):
+        def rename(src, dst, *args, **kwargs):
+            time.sleep(slow_commit)
+            real(src, dst, *args, **kwargs)
+            events.append(("rename", os.fspath(src), os.fspath(dst), time.time()))
+        return rename
+
+    os.fsync, os.rename, os.replace = fsync, renamer(real_rename), renamer(real_replace)
+    try:
+        save_fn(directory, step, _payload(rank, step))
+    finally:
+        os.fsync, os.rename, os.replace = real_fsync, real_rename, real_replace
+    final = os.path.join(directory, f"step{step:08d}")
+    return {"events": events, "committed_on_return": os.path.isfile(
+        os.path.join(final, "manifest.json"))}
+
+
+def _read_checkpoint(final: str, step: int, world: int) -> str | None:
+    """What is wrong with the committed checkpoint ``final``, or None."""
+    import hashlib
+    import json
+    if not os.path.isdir(final):
+        return f"{final} does not exist after every rank returned"
+    names = sorted(os.listdir(final))
+    want_files = [f"rank{r}.bin" for r in range(world)]
+    if "manifest.json" not in names:
+        return f"{final} has no manifest.json (it holds {names})"
+    try:
+        with open(os.path.join(final, "manifest.json")) as f:
+            manifest = json.load(f)
+    except ValueError as exc:
+        return f"manifest.json is not valid JSON ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("step") != step:
+        return f"manifest.json should hold {{'step': {step}, 'files': ...}}, it holds {manifest!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or sorted(files) != want_files:
+        return (f"the manifest lists {sorted(files) if isinstance(files, dict) else files!r}; "
+                f"it must list every rank's file, {want_files}: gather every rank's checksum "
+                f"before rank 0 writes it")
+    for r, name in enumerate(want_files):
+        path = os.path.join(final, name)
+        if not os.path.isfile(path):
+            return f"{name} is listed in the manifest but missing from {final}"
+        with open(path, "rb") as f:
+            data = f.read()
+        if data != _payload(r, step):
+            return f"{name} does not hold rank {r}'s bytes ({len(data)} bytes found)"
+        if files[name] != hashlib.sha256(data).hexdigest():
+            return (f"the manifest's checksum of {name} is {files[name]!r}, not the sha256 "
+                    f"hex digest of its bytes")
+    return None
+
+
+def _check_order(results: list[dict], directory: str, step: int) -> None:
+    """Every rank fsynced its file; one rename, .partial -> final, after the manifest
+    was fsynced; no rank returned before the commit."""
+    final = os.path.join(directory, f"step{step:08d}")
+    renames = [(r, e) for r, res in enumerate(results) for e in res["events"] if e[0] == "rename"]
+    for rank, res in enumerate(results):
+        synced = [e[1] for e in res["events"] if e[0] == "fsync"]
+        if not any(os.path.basename(p) == f"rank{rank}.bin" for p in synced):
+            raise CheckFailed(f"rank {rank} never fsynced rank{rank}.bin: after write() the "
+                              f"bytes may still sit in the OS's page cache, and a crash of the "
+                              f"node loses them though the manifest says they were written")
+    if len(renames) != 1:
+        raise CheckFailed(f"{len(renames)} renames happened ({[e[1:3] for _, e in renames]}); "
+                          f"a save commits with exactly one: step{step:08d}.partial renamed to "
+                          f"step{step:08d}, by one rank, once every file and the manifest are "
+                          f"durable")
+    rank, (_, src, dst, t_rename) = renames[0]
+    if os.path.normpath(dst) != os.path.normpath(final) or \
+            os.path.normpath(src) != os.path.normpath(final + ".partial"):
+        raise CheckFailed(f"the rename was {src} -> {dst}; the save should write into "
+                          f"{final}.partial and rename that directory to {final}")
+    manifest_syncs = [e[2] for e in results[rank]["events"]
+                      if e[0] == "fsync" and os.path.basename(e[1]) == "manifest.json"]
+    if not manifest_syncs or min(manifest_syncs) > t_rename:
+        raise CheckFailed(f"rank {rank} renamed the directory before it fsynced manifest.json: "
+                          f"a crash right after the rename can leave a committed checkpoint "
+                          f"whose manifest is empty or missing")
+    early = [r for r, res in enumerate(results) if not res["committed_on_return"]]
+    if early:
+        raise CheckFailed(f"rank(s) {early} returned before the checkpoint was committed: a rank "
+                          f"that goes on training (or is told the save is done) must not return "
+                          f"until the rename has happened on rank 0")
+
+
+def check_atomic_save(atomic_save) -> None:
+    """``atomic_save(directory, step, data)`` on every rank: all files durable, the manifest
+    last, one rename; a rank killed in the middle leaves the previous checkpoint usable.
+
+    Run 1 (3 ranks, every rename delayed 0.3 s) catches: nothing written, no rename or a
+    rename by every rank, writing straight into the final directory, a rank that skips
+    fsync, a manifest that lists only rank 0's file or a checksum other than sha256 of the
+    bytes, a rename before the manifest is fsynced, ranks that return before the commit.
+    Run 2 (3 ranks: step 1 saved, then rank 1 SIGKILLed right after its step-2 file is
+    fsynced) catches: a ``step00000002`` that exists though rank 1 never finished, and a
+    manifest written before every rank's file was durable.
+    """
+    import tempfile
+
+    from helpers.launch import RankError, launch
+
+    with tempfile.TemporaryDirectory() as d:
+        try:  # a stub fails here, before any rank starts; other errors are expected
+            attempt(atomic_save, os.path.join(d, "probe"), 0, b"", what="atomic_save")
+        except CheckFailed as exc:  # (no process group in this process)
+            if "not implemented" in str(exc):
+                raise
+        results = on_ranks(_traced_save, _SAVE_WORLD, d, 1, atomic_save, None, 0.3,
+                           what="atomic_save", timeout=30)
+        problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _SAVE_WORLD)
+        if problem:
+            raise CheckFailed(f"after atomic_save(directory, 1, data) on {_SAVE_WORLD} ranks: "
+                              f"{problem}")
+        _check_order(results, d, 1)
+    with tempfile.TemporaryDirectory() as d:
+        on_ranks(_traced_save, _SAVE_WORLD, d, 1, atomic_save, None, 0.0, what="atomic_save",
+                 timeout=30)
+        try:
+            launch(_traced_save, _SAVE_WORLD, d, 2, atomic_save, 1, 0.0, timeout=20)
+        except RankError:
+            pass  # rank 1 was killed: the launch fails, as the job would
+        else:
+            raise CheckFailed("rank 1 was SIGKILLed in the middle of the step-2 save, yet every "
+                              "rank returned: the others must wait for every rank's checksum")
+        final = os.path.join(d, "step00000002")
+        if os.path.exists(final):
+            raise CheckFailed(f"rank 1 was killed right after fsyncing its step-2 file, before "
+                              f"the manifest, and {os.path.basename(final)} exists anyway "
+                              f"(holding {sorted(os.listdir(final))}): a reader would take an "
+                              f"incomplete checkpoint for the newest one. Write into "
+                              f"step00000002.partial and rename it only at the end")
+        if os.path.exists(os.path.join(final + ".partial", "manifest.json")):
+            raise CheckFailed("rank 1 was killed right after fsyncing its step-2 file, and "
+                              "step00000002.partial already holds a manifest: the manifest "
+                              "must come after every rank's file is durable (it is the "
+                              "commit marker where there is no atomic rename)")
+        problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _SAVE_WORLD)
+        if problem:
+            raise CheckFailed(f"after the killed step-2 save, step 1 is damaged: {problem}")
+    passed(f"atomic_save on {_SAVE_WORLD} ranks: every file fsynced, the manifest fsynced, "
+           f"then one rename; with rank 1 killed mid-save, step 2 never appeared and step 1 "
+           f"stayed intact")
