@@ -5,7 +5,7 @@ import torch
 from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch07
 from helpers.topology import (all_reduce_time, packed_ranks, ring_all_gather, ring_all_reduce,
-                              ring_reduce_scatter)
+                              ring_reduce_scatter, spread_ranks)
 
 
 # ---- plausible mistakes in the layout
@@ -58,6 +58,33 @@ def _wrong_placement(topology, nbytes, k):  # both groups packed
     return {"inside": t, "across": t}
 
 
+def _placement(topology, nbytes, k, *, share=None, sent=None):
+    steps = 2 * (k - 1)
+    sent = 2 * (k - 1) / k * nbytes if sent is None else sent
+    share = topology.nics_per_node / topology.gpus_per_node if share is None else share
+    return {"inside": steps * topology.intra.latency + sent / topology.intra.bandwidth,
+            "across": steps * topology.inter.latency
+            + sent / (topology.inter.bandwidth * share(topology) if callable(share) else
+                      topology.inter.bandwidth * share)}
+
+
+def _whole_nic(topology, nbytes, k):  # every group gets a whole NIC (no sharing)
+    return _placement(topology, nbytes, k, share=1.0)
+
+
+def _all_nics(topology, nbytes, k):  # one group gets all of the node's NICs
+    return _placement(topology, nbytes, k, share=lambda t: t.nics_per_node)
+
+
+def _whole_tensor_sent(topology, nbytes, k):  # N / B instead of 2(P-1)/P N / B
+    return _placement(topology, nbytes, k, sent=nbytes)
+
+
+def _chapter_03_ring(topology, nbytes, k):  # the flat-ring model on rank lists
+    return {"inside": all_reduce_time(topology, nbytes, packed_ranks(topology, k)),
+            "across": all_reduce_time(topology, nbytes, spread_ranks(topology, k))}
+
+
 class TestChapter07(ChapterChecks):
     lab, sol = "labs/07_nccl_topology_lab.ipynb", "solutions/07_nccl_topology_solution.ipynb"
     checks = {
@@ -79,4 +106,11 @@ class TestChapter07(ChapterChecks):
         Wrong("hierarchical", _no_all_gather, "forgets the all-gather",
               says="does not hold the sum"),
         Wrong("placement_times", _wrong_placement, "both groups packed", says="spread the group"),
+        Wrong("placement_times", _whole_nic, "a whole NIC per group", says="share the node"),
+        Wrong("placement_times", _all_nics, "all the node's NICs per group",
+              says="share the node"),
+        Wrong("placement_times", _whole_tensor_sent, "the whole tensor per rank",
+              says="2\\(P-1\\)/P"),
+        Wrong("placement_times", _chapter_03_ring, "chapter 03's flat-ring model",
+              says="share the node"),
     ]

@@ -11,12 +11,14 @@ Contracts:
   and ``ring_all_gather`` with ``wire=wire`` (so its messages are counted).
   ``intra``/``inter`` are this rank's process groups.
 * ``placement_times(topology, nbytes, group_size)`` -> {"inside": s, "across": s}:
-  the model's all-reduce time for a group of ``group_size`` GPUs packed in one
-  node, and spread one per node.
+  NCCL's ring all-reduce time (``helpers.costs.network``) for a group of
+  ``group_size`` GPUs packed in one node, and spread one per node.
 
-The hierarchical check runs on 4 ranks as 2 "nodes" x 2 and counts the bytes that
-cross nodes: a flat ring passed off as hierarchical sends more of them, and so
-does an all-reduce of the whole tensor across nodes.
+Mistakes each check catches are listed in its docstring. The hierarchical check
+runs on 4 ranks as 2 "nodes" x 2 and counts the bytes that cross nodes: a flat
+ring passed off as hierarchical sends more of them, and so does an all-reduce of
+the whole tensor across nodes, or phases on swapped groups; a missing all-gather
+leaves only this rank's chunk summed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ SIZES = [12, 7, 1]  # 12 divides into every chunk (bytes exact); 7 and 1 do not
 
 
 def check_node_layout(node_layout) -> None:
+    """Rows and columns of the rank grid on six shapes. Mistakes it catches: intra and
+    inter swapped; round-robin "nodes" (rank r on node r % nodes); a square-only or
+    hard-coded layout (non-square shapes first, g = 1 and one node too); a world that
+    does not fill the nodes accepted instead of refused with ValueError."""
     from helpers.topology import grid_layout
 
     for world, g in [(6, 3), (4, 2), (6, 2), (8, 4), (8, 1), (3, 3)]:  # non-square first
@@ -84,6 +90,10 @@ def _run_hierarchical(fn):
 
 
 def check_hierarchical(hierarchical) -> None:
+    """4 ranks as 2 nodes x 2, three sizes (one that does not split evenly), exact sums,
+    bytes across nodes counted by the Wire. Mistakes it catches: a flat ring over the
+    world; all of x across nodes; the phases on swapped groups; a missing all-gather;
+    messages not sent through the wire (nothing counted)."""
     from helpers.topology import Topology, collective_cost, IB_NDR, NVLINK4_H100
     from helpers.topology import Wire
 
@@ -120,25 +130,52 @@ def check_hierarchical(hierarchical) -> None:
 
 
 def check_placement_times(placement_times) -> None:
-    from helpers.topology import (a100_cluster, all_reduce_time, h100_cluster, packed_ranks,
-                                  pcie_cluster, spread_ranks)
+    """NCCL's ring price for a group packed in a node and spread one GPU per node,
+    against ``helpers.costs.network.ring_time`` (stride 1 and stride g). Mistakes it
+    is built to catch (each case is there for one):
 
-    cases = [(h100_cluster(8), 1e8, 8), (h100_cluster(4), 1e6, 4), (a100_cluster(4), 1e4, 2),
-             (pcie_cluster(8), 1e8, 8)]
+    * 'across' on a whole NIC per group (forgetting that the layout's groups share
+      the node's NICs): the PCIe box with one NIC for 8 GPUs differs 8x;
+    * 'across' on all of the node's NICs: the A100 and H100 nodes differ;
+    * N / B instead of 2(P-1)/P N / B per rank, or P steps instead of 2(P-1);
+    * 'across' equal to 'inside' (the group never left the node);
+    * a hard-coded group size or topology: four sizes on three machines;
+    * a non-number or a missing key.
+    """
+    from helpers.costs import network
+    from helpers.topology import a100_cluster, h100_cluster, pcie_cluster
+
+    cases = [(h100_cluster(8), 1e8, 8), (h100_cluster(4), 1e6, 4), (a100_cluster(4), 1e4, 3),
+             (pcie_cluster(8), 1e8, 8), (pcie_cluster(4), 1e3, 2)]
     for topo, nbytes, k in cases:
         got = attempt(placement_times, topo, nbytes, k, what="placement_times")
+        case = f"placement_times({topo.name}, {nbytes:g}, {k})"
         if not isinstance(got, dict) or set(got) != {"inside", "across"}:
-            raise CheckFailed(f"placement_times should return a dict with keys 'inside' and "
+            raise CheckFailed(f"{case} should return a dict with keys 'inside' and "
                               f"'across', got {got!r}")
-        want = {"inside": all_reduce_time(topo, nbytes, packed_ranks(topo, k)),
-                "across": all_reduce_time(topo, nbytes, spread_ranks(topo, k))}
+        g = topo.gpus_per_node
+        want = {"inside": network.ring_time(topo, "all_reduce", nbytes, k, 1),
+                "across": network.ring_time(topo, "all_reduce", nbytes, k, g)}
         for key in want:
+            try:
+                value = float(got[key])
+            except (TypeError, ValueError):
+                raise CheckFailed(f"{case}[{key!r}] should be seconds (a number), got "
+                                  f"{got[key]!r}") from None
             # the same formula on the same numbers: equal up to the order of operations
-            if not abs(float(got[key]) - want[key]) <= 1e-9 * want[key]:
-                hint = ""
-                if key == "across" and abs(float(got[key]) - want["inside"]) <= 1e-9 * want[key]:
-                    hint = " That is the 'inside' time: spread the group one GPU per node."
-                raise CheckFailed(f"placement_times({topo.name}, {nbytes:g}, {k})[{key!r}]: "
-                                  f"got {float(got[key]):.6g} s, expected {want[key]:.6g} s.{hint}")
-    passed("placement_times: the model's ring all-reduce for a group packed in a node and "
-           "spread one GPU per node")
+            if abs(value - want[key]) <= 1e-9 * want[key]:
+                continue
+            hint = ""
+            if key == "across" and abs(value - want["inside"]) <= 1e-9 * want[key]:
+                hint = " That is the 'inside' time: spread the group one GPU per node."
+            elif key == "across" and value < want[key]:
+                hint = (" Too fast: the layout's groups all run at once and share the node's "
+                        "NICs; a group gets nics_per_node / gpus_per_node of one NIC.")
+            elif key == "inside" or value > want[key]:
+                hint = (" A ring of P GPUs makes 2(P-1) steps, each paying the link's "
+                        "latency, and each rank sends 2(P-1)/P of the tensor at the "
+                        "link's bandwidth.")
+            raise CheckFailed(f"{case}[{key!r}]: got {value:.6g} s, expected "
+                              f"{want[key]:.6g} s.{hint}")
+    passed("placement_times: NCCL's ring price for a group packed in a node and spread one "
+           "GPU per node (the groups sharing each node's NICs)")
