@@ -181,3 +181,14 @@ def test_no_notebook_source_has_control_characters():
     bad = [f"{p.relative_to(ROOT)} cell {i}" for p in ALL_NOTEBOOKS
            for i, c in enumerate(nbformat.read(p, as_version=4).cells) if CONTROL.search(c.source)]
     assert bad == []
+
+
+def test_recording_waits_for_a_quiet_machine_and_refuses_a_busy_one():
+    from tools.nbtool import wait_for_quiet
+
+    loads = iter([5.0, 3.0, 1.5])           # busy, busy, quiet on 2 cores
+    slept = []
+    assert wait_for_quiet(cores=2, load=lambda: (next(loads),), sleep=slept.append, poll=10) == 1.5
+    assert slept == [10, 10]
+    with pytest.raises(RuntimeError, match="load average 4.0 on 2 cores after waiting 30 s"):
+        wait_for_quiet(max_wait=30, cores=2, load=lambda: (4.0,), sleep=lambda s: None, poll=10)

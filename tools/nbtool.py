@@ -2,7 +2,8 @@
 
     python tools/nbtool.py labs [NAME ...] # regenerate labs/ from solutions/ (all, or these)
     python tools/nbtool.py labs --check    # exit 1 if labs/ is out of date
-    python tools/nbtool.py run [NB ...]    # execute notebooks in place (default: course/ + solutions/)
+    python tools/nbtool.py run [NB ...]    # execute notebooks in place (default: course/ + solutions/),
+                                           # one at a time, each waiting for a quiet machine
     python tools/nbtool.py new SRC.py OUT.ipynb   # build a notebook from a "# %%" percent script
     python tools/nbtool.py normalize       # file names, metadata and START_HERE.ipynb (see below)
 
@@ -310,13 +311,35 @@ def labs(check: bool, names: list[str] | None = None) -> int:
     return 0
 
 
-def run(paths: list[str], timeout: int = 600) -> int:
+def wait_for_quiet(max_wait: float = 300.0, poll: float = 10.0, cores: int | None = None,
+                   load=os.getloadavg, sleep=time.sleep) -> float:
+    """Wait until the 1-minute load average is below the core count; return it.
+
+    A notebook recorded while other work runs teaches noise: its timings are the
+    other work's, and its ranks get a fraction of a core each. Refuses (RuntimeError)
+    after ``max_wait`` seconds of a busy machine rather than recording anyway."""
+    cores = cores or os.cpu_count() or 1
+    waited = 0.0
+    while (current := load()[0]) >= cores:
+        if waited >= max_wait:
+            raise RuntimeError(
+                f"load average {current:.1f} on {cores} cores after waiting {waited:.0f} s: "
+                f"not recording on a busy machine (stop the other work, or pass --busy-ok)")
+        print(f"load average {current:.1f} >= {cores} cores: waiting for a quiet machine")
+        sleep(poll)
+        waited += poll
+    return current
+
+
+def run(paths: list[str], timeout: int = 600, busy_ok: bool = False) -> int:
     from nbclient import NotebookClient
 
     if not paths:
         paths = [str(p) for d in ("course", "solutions") for p in sorted((ROOT / d).glob("*.ipynb"))]
     failed = 0
-    for path in paths:
+    for path in paths:   # one at a time: each notebook alone on the machine
+        if not busy_ok:
+            wait_for_quiet()
         nb = nbformat.read(path, as_version=4)
         start = time.perf_counter()
         try:
@@ -387,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("labs"); p.add_argument("--check", action="store_true")
     p.add_argument("names", nargs="*", help="only these notebooks (e.g. 03_all_reduce_ring.ipynb)")
     p = sub.add_parser("run"); p.add_argument("paths", nargs="*")
+    p.add_argument("--busy-ok", action="store_true",
+                   help="record even while the load average exceeds the cores")
     p = sub.add_parser("new"); p.add_argument("src"); p.add_argument("out")
     sub.add_parser("normalize", help="rename old lab/solution names, normalize metadata, "
                                      "rewrite START_HERE.ipynb")
@@ -402,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "labs":
         return labs(args.check, args.names)
     if args.cmd == "run":
-        return run(args.paths)
+        return run(args.paths, busy_ok=args.busy_ok)
     write(from_percent(pathlib.Path(args.src).read_text()), args.out)
     return 0
 
