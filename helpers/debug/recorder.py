@@ -23,8 +23,20 @@ are replaced by thin wrappers that log, per call, a :class:`CallRecord`:
 * ``start`` and ``end`` (``time.time()``; ``end`` is None while the call has
   not ended, which is what a hung call looks like), and ``outcome``: how it
   ended, ``"returned"`` or ``"raised RuntimeError"`` (a peer that went away,
-  a size mismatch gloo caught). An ``async_op=True`` call "ends" when it
-  returns its Work, not when the Work completes.
+  a size mismatch gloo caught). On CPU an ``async_op=True`` call "ends" when
+  it returns its Work, not when the Work completes.
+
+With gloo on CPU tensors a call that returned is done. With nccl on CUDA
+tensors it is not: the call returns once the collective is queued on the GPU,
+and a collective stuck waiting for a peer "returns" all the same. So on CUDA
+the recorder keeps the call *scheduled* (``returned`` set, ``end`` None) until
+a CUDA event recorded after it (``helpers.clock``) has completed, and only then
+sets ``end``: ``end`` means completed, as in NCCL's flight recorder, and a call
+that never completes reads as hung. For an ``async_op`` call the event cannot
+tell (the current stream does not wait for the collective until ``wait()``):
+its Work's ``is_completed()`` is polled instead. A small thread polls every
+2 ms while calls are pending (``end`` is when it saw the completion); it never
+blocks on the GPU.
 
 On exit (also on an error) the original functions are put back.
 
@@ -74,6 +86,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from helpers.clock import clock_for, completed
 from helpers.launch.errors import cell_name, library_dirs
 from helpers.launch.hooks import rank_channel, register_option
 
@@ -107,16 +120,20 @@ class CallRecord:
     dtypes: tuple[str, ...]
     where: list[tuple[str, int, str]]
     start: float
-    end: float | None = None
+    end: float | None = None        # when it completed (CPU: returned), time.time()
     async_op: bool = False
     world: int = 0                  # the default group's size (to tell a subgroup)
     root: int | None = None         # src/dst of broadcast, reduce, gather, scatter
     outcome: str | None = None      # "returned", "raised RuntimeError"; None: not ended
+    returned: float | None = None   # when the host call returned, time.time()
 
     @property
     def state(self) -> str:
-        """How the call ended, in words: returned, raised X, or never returned."""
-        return "never returned" if self.end is None else (self.outcome or "returned")
+        """How the call ended, in words: returned, raised X, scheduled (returned,
+        the GPU has not finished it) or never returned."""
+        if self.end is not None:
+            return self.outcome or "returned"
+        return "never returned" if self.returned is None else "scheduled, not completed"
 
     @property
     def is_p2p(self) -> bool:
@@ -219,6 +236,9 @@ class Recorder:
         self.calls: list[CallRecord] = []
         self._sink = _caller_sink()  # writes for launch's caller, or None
         self._groups: dict[int, tuple[int, ...]] = {}
+        self._pending: list[tuple[CallRecord, Any, str]] = []  # (record, mark or Work, outcome)
+        self._pending_lock = threading.Lock()
+        self._poller: threading.Thread | None = None
 
     def _group_ranks(self, group) -> tuple[int, ...]:
         key = id(group)
@@ -253,10 +273,56 @@ class Recorder:
             self._sink(("call", rec))
         return rec
 
-    def finish(self, rec: CallRecord, outcome: str = "returned") -> None:
-        rec.end, rec.outcome = time.time(), outcome
+    def finish(self, rec: CallRecord, outcome: str = "returned", result: Any = None,
+               device: torch.device | None = None) -> None:
+        """The call returned (``result``: what it returned) or raised. On CUDA
+        (``device``) it completes later: see the module docstring."""
+        rec.returned = time.time()
+        if device is None or device.type != "cuda" or outcome != "returned":
+            self._complete(rec, outcome, rec.returned)
+            return
+        works = [w for w in (result if isinstance(result, list) else [result])
+                 if hasattr(w, "is_completed")]
+        done = works if rec.async_op and works else [clock_for(device).mark()]
+        with self._pending_lock:
+            self._pending.append((rec, done, outcome))
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll, daemon=True)
+                self._poller.start()
+
+    def _complete(self, rec: CallRecord, outcome: str, end: float) -> None:
+        rec.end, rec.outcome = end, outcome
         if self._sink is not None:
             self._sink(("end", rec.seq, rec.end, outcome))
+
+    def _poll(self, interval: float = 0.002) -> None:
+        """Mark pending calls completed as their events (or Works) complete."""
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    self._poller = None
+                    return
+                still = []
+                for rec, done, outcome in self._pending:
+                    if all(_is_done(d) for d in done):
+                        self._complete(rec, outcome, time.time())
+                    else:
+                        still.append((rec, done, outcome))
+                self._pending = still
+            time.sleep(interval)
+
+
+def _is_done(d) -> bool:
+    """A clock mark (CUDA event) or an async Work: finished on the GPU? Never blocks."""
+    return d.is_completed() if hasattr(d, "is_completed") else completed(d)
+
+
+def _device_of(bound: dict) -> torch.device | None:
+    """The device of the call's first tensor argument (None: no tensor)."""
+    for v in bound.values():
+        for t in ([v] if isinstance(v, torch.Tensor) else v if _tensor_list(v) else []):
+            return t.device
+    return None
 
 
 def _outcome(exc: BaseException | None) -> str:
@@ -287,15 +353,16 @@ def _wrap(op: str, original: Callable) -> Callable:
             return original(*args, **kwargs)
         bound = sig.bind_partial(*args, **kwargs).arguments
         rec = _ACTIVE[-1].begin(op, bound, sys._getframe(1))
-        _LOCAL.busy, failure = True, None
+        _LOCAL.busy, failure, result = True, None, None
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            return result
         except BaseException as exc:
             failure = exc
             raise
         finally:
             _LOCAL.busy = False
-            _ACTIVE[-1].finish(rec, _outcome(failure))
+            _ACTIVE[-1].finish(rec, _outcome(failure), result, _device_of(bound))
     return wrapper
 
 
@@ -310,16 +377,18 @@ def _wrap_batch(original: Callable) -> Callable:
                                   {"tensor": p.tensor, "group": p.group,
                                    _PEER_ARG.get(getattr(p.op, "__name__", ""), "peer"): p.peer},
                                   frame) for p in p2p_op_list]
-        _LOCAL.busy, failure = True, None
+        _LOCAL.busy, failure, result = True, None, None
         try:
-            return original(p2p_op_list)
+            result = original(p2p_op_list)
+            return result
         except BaseException as exc:
             failure = exc
             raise
         finally:
             _LOCAL.busy = False
+            device = p2p_op_list[0].tensor.device if p2p_op_list else None
             for rec in recs:
-                _ACTIVE[-1].finish(rec, _outcome(failure))
+                _ACTIVE[-1].finish(rec, _outcome(failure), result, device)
     return wrapper
 
 
