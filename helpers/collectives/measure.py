@@ -10,12 +10,12 @@ benchmarks/bench_collectives.py runs it from the command line.
 
 from __future__ import annotations
 
-import time
 from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from helpers.clock import clock_for, elapsed
 from helpers.collectives.cost import bus_bandwidth
 from helpers.collectives.halving_doubling import halving_doubling_all_reduce
 from helpers.collectives.ring import chunk_bounds, ring_all_reduce
@@ -79,15 +79,14 @@ def sweep(sizes: Iterable[int], impls: Sequence[str] = ("ring", "torch"), iters:
         # persistent receive buffer for the ring, allocated and touched outside the timing
         ws = torch.zeros(chunk_bounds(x.numel(), p)[0][1], dtype=x.dtype, device=device)
         fns = {impl: _all_reduce_impl(impl, ws) for impl in impls}
+        clk = clock_for(x.device)  # CUDA events after the call: when the GPU finished it
         samples: dict = {impl: [] for impl in impls}
         for i in range(warmup + iters):
             for impl, fn in fns.items():
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = clk.mark()
                 fn(x)
-                if x.is_cuda:
-                    torch.cuda.synchronize(x.device)
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+                dt = torch.tensor([elapsed(t0, clk.mark())], dtype=torch.float64, device=device)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # done when the slowest rank is
                 if i >= warmup:
                     samples[impl].append(float(dt))

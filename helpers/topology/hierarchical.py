@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from helpers.clock import clock_for, elapsed
 from helpers import collectives  # chapter 03's ring, with its exchange hook
 from helpers.collectives import check_summable, flat_view, post_pair
 from helpers.mesh import axis_groups
@@ -262,6 +263,7 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
     groups = node_groups(gpus_per_node)
     p = dist.get_world_size()
     x = torch.empty(numel, dtype=torch.float32)
+    clk = clock_for(x.device)
     names = list(algorithms) + (["torch"] if include_torch else [])
     samples = {a: [] for a in names}
     counts = {}
@@ -270,7 +272,7 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
             x.fill_(1.0)
             wire = Wire(gpus_per_node, slow_link)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clk.mark()
             if alg == "ring":
                 ring_all_reduce(x, None, wire)
             elif alg == "hierarchical":
@@ -279,7 +281,7 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
                 dist.all_reduce(x)
             else:
                 raise ValueError(f"unknown algorithm {alg!r}")
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dt = torch.tensor([elapsed(t0, clk.mark())], dtype=torch.float64)
             if not torch.equal(x, torch.full_like(x, float(p))):
                 raise RuntimeError(f"{alg} all-reduce gave a wrong sum on rank {dist.get_rank()}")
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
@@ -322,6 +324,7 @@ def time_placement(numel: int, gpus_per_node: int, group_size: int, slow_link: L
             if dist.get_rank() in ranks:
                 mine[name] = pg
     x = torch.empty(numel)
+    clk = clock_for(x.device)
     out = {}
     samples = {name: [] for name in layouts}
     sent = {}
@@ -330,9 +333,9 @@ def time_placement(numel: int, gpus_per_node: int, group_size: int, slow_link: L
             x.fill_(1.0)
             wire = Wire(gpus_per_node, slow_link)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clk.mark()
             ring_all_reduce(x, mine[name], wire)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dt = torch.tensor([elapsed(t0, clk.mark())], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             samples[name].append(dt.item())
             b = torch.tensor([float(wire.cross_bytes)], dtype=torch.float64)
