@@ -340,3 +340,55 @@ def test_aux_loss_evens_out_the_load_of_a_trained_router():
     finally:
         torch.set_num_threads(threads)
     assert with_aux < without, (with_aux, without)
+
+
+# --------------------------------------------------------------------------- bias balancing
+from helpers.moe.router import expert_load, route_with_bias, update_expert_bias  # noqa: E402
+
+
+def _skewed_logits(T=512, E=8, seed=0):
+    """Router logits whose experts differ by a fixed offset: expert e is favoured by 0.5 e."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, E, generator=g, dtype=torch.float64) + 0.5 * torch.arange(E)
+
+
+def test_bias_moves_the_choice_not_the_gates():
+    logits = _skewed_logits(T=64)
+    scores, gates0, experts0 = route_with_bias(logits, 2, torch.zeros(8, dtype=torch.float64))
+    # zero bias: plain sigmoid top-k, gates the chosen affinities normalized
+    assert torch.equal(experts0, torch.sigmoid(logits).topk(2, dim=-1).indices)
+    bias = torch.zeros(8, dtype=torch.float64)
+    bias[7] = -10.0          # expert 7 can no longer be chosen ...
+    _, gates, experts = route_with_bias(logits, 2, bias)
+    assert not (experts == 7).any()
+    chosen = scores.gather(-1, experts)   # ... and the gates are its rivals' unbiased affinities
+    _close(gates, chosen / chosen.sum(-1, keepdim=True), "gates")
+    _close(gates.sum(-1), torch.ones(64, dtype=torch.float64), "gates sum to 1")
+
+
+def test_bias_update_direction():
+    experts = torch.tensor([[0], [0], [0], [1], [2], [2]])   # loads 3, 1, 2; mean 2
+    new = update_expert_bias(torch.zeros(3), experts, 0.1)
+    assert new.tolist() == pytest.approx([-0.1, 0.1, 0.0])
+    assert torch.equal(expert_load(experts, 3), torch.tensor([3, 1, 2]))
+
+
+def test_bias_balances_a_skewed_router():
+    """No training, only the bias: the busiest expert's load falls from 3x the mean to
+    near the mean. The experts' affinities differ by at most ~0.5 (sigmoid of logits 3.5
+    apart), which a bias moving 0.005 a step crosses in ~100 steps; 300 leave room. A
+    sign update never settles: each bias keeps stepping by +-gamma, moving a few of the
+    1024 choices, hence a bound of 1.25 rather than 1 (without the bias it stays 3.0)."""
+    logits, E, k = _skewed_logits(), 8, 2
+    bias = torch.zeros(E, dtype=torch.float64)
+    before = expert_load(route_with_bias(logits, k, bias)[2], E).double()
+    for _ in range(300):
+        bias = update_expert_bias(bias, route_with_bias(logits, k, bias)[2], 0.005)
+    after = expert_load(route_with_bias(logits, k, bias)[2], E).double()
+    assert before.max() / before.mean() > 2.0
+    assert after.max() / after.mean() < 1.25, after.tolist()
+
+
+def test_bias_shape_is_checked():
+    with pytest.raises(ValueError, match="one value per expert"):
+        route_with_bias(torch.zeros(4, 8), 2, torch.zeros(7))

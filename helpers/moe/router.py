@@ -37,6 +37,25 @@ early get trained, win more, and the rest idle. Two auxiliary losses:
     router z-loss    L_z = (1/T) sum_t (logsumexp_e logits_te)^2
         (ST-MoE, Zoph et al. 2022, eq. 5; weight 1e-3): keeps router logits
         small so the fp32 softmax stays accurate.
+
+Balance without a loss (DeepSeek-V3, DeepSeek-AI 2024, sec. 2.1.2; Wang et al.
+2024, "Auxiliary-Loss-Free Load Balancing", arXiv 2408.15664). A loss that
+pushes the router towards balance also pushes it away from the experts it
+would choose. DeepSeek-V3 instead adds a per-expert bias ``b`` to the
+affinities *only where experts are chosen*, and leaves the gates unbiased:
+
+    s      = sigmoid(x W_r)                    affinities, (E,)
+    S      = top-k indices of s + b            the bias moves the choice ...
+    g_e    = s_e / sum_{j in S} s_j            ... not the weights
+    b_i   += gamma * sign(mean load - load_i)  after each step: overloaded
+                                               experts lose gamma, idle ones gain it
+
+``b`` is not a parameter (no gradient); gamma is the bias update speed (1e-3
+in DeepSeek-V3 and as Megatron-Core's ``moe_router_bias_update_rate``
+default, ``--moe-router-enable-expert-bias``, Megatron-Core 0.20.0;
+torchtitan 0.2.2 also subtracts the mean of the update,
+``components/optimizer/optimizer.py``). ``route_with_bias`` and
+``update_expert_bias`` below.
 """
 
 from __future__ import annotations
@@ -47,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["route", "expert_capacity", "capacity_slots", "capacity_keep", "load_balancing_loss",
-           "router_z_loss"]
+           "router_z_loss", "route_with_bias", "expert_load", "update_expert_bias"]
 
 
 def route(logits: torch.Tensor, top_k: int):
@@ -108,3 +127,29 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def route_with_bias(logits: torch.Tensor, top_k: int, bias: torch.Tensor):
+    """DeepSeek-V3's routing (sec. 2.1.2): sigmoid affinities (T, E) fp32, experts
+    (T, k) chosen by affinity + ``bias`` (E,), gates (T, k) from the affinities
+    alone, normalized over the k chosen. Returns (scores, gates, experts)."""
+    if bias.shape != logits.shape[-1:]:
+        raise ValueError(f"bias must have one value per expert, shape {tuple(logits.shape[-1:])}, "
+                         f"got {tuple(bias.shape)}")
+    scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    experts = (scores + bias.to(scores.dtype)).topk(top_k, dim=-1).indices   # (T, k)
+    chosen = scores.gather(-1, experts)                  # the unbiased affinities
+    return scores, chosen / chosen.sum(dim=-1, keepdim=True), experts
+
+
+def expert_load(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) long: routing choices each expert received, from experts (T, k)."""
+    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+
+
+def update_expert_bias(bias: torch.Tensor, experts: torch.Tensor, rate: float) -> torch.Tensor:
+    """One step of DeepSeek-V3's bias update: b_i + rate * sign(mean load - load_i).
+    An overloaded expert's bias drops by ``rate``, an underloaded one's rises, an
+    expert exactly at the mean keeps its bias. Returns a new tensor."""
+    load = expert_load(experts, bias.numel()).to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
