@@ -54,11 +54,6 @@ TEMPORARY_ALLOW_LIST: dict[str, str] = {
     "08_tensor_parallel_basics": "chapter 08's owner",
     "09_tp_in_transformer": "chapter 09's owner",
     "10_sequence_parallel": "chapter 10's owner",
-    "17_checkpoint_resume": "chapter 17's owner",
-    "18_debugging_health": "chapter 18's owner",
-    "19_frameworks": "chapter 19's owner",
-    "20_design_training_stack": "chapter 20's owner",
-    "21_expert_parallelism": "chapter 21's owner",
 }
 
 
