@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.checks import CheckFailed, attempt, passed
+from helpers.launch.info import rank_device, rank_info
 
 __all__ = ["BROKEN", "FAULTY_RANK", "show", "run_broken", "recorded_calls",
            "check_first_disagreement", "check_diagnosis", "check_fixed", "batch", "reference"]
@@ -24,10 +25,12 @@ WORLD, STEPS, LR = 3, 3, 0.1
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch at ``step``: x [4, 8], y [4] (float64, fixed seed)."""
+    """Rank ``rank``'s batch at ``step``: x [4, 8], y [4] (float64, fixed seed), drawn on
+    the CPU (the same values everywhere) and moved to the calling rank's device."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(4, 8, generator=g, dtype=torch.float64)
-    return x, x.sum(1) + 0.1 * torch.randn(4, generator=g, dtype=torch.float64)
+    y = x.sum(1) + 0.1 * torch.randn(4, generator=g, dtype=torch.float64)
+    return x.to(rank_device()), y.to(rank_device())
 
 
 def n_batches(rank: int) -> int:
@@ -40,7 +43,7 @@ def n_batches(rank: int) -> int:
 def train_skip_nonfinite() -> torch.Tensor:
     """Skip the gradient sync when the local loss is not finite."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    w = torch.zeros(8, dtype=torch.float64, device=rank_info().device, requires_grad=True)
     for step in range(STEPS):
         x, y = batch(rank, step)
         if rank == 2 and step == 1:
@@ -59,7 +62,7 @@ def train_skip_nonfinite() -> torch.Tensor:
 def train_log_on_rank0() -> torch.Tensor:
     """Rank 0 logs the mean loss across ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    w = torch.zeros(8, dtype=torch.float64, device=rank_info().device, requires_grad=True)
     for step in range(STEPS):
         x, y = batch(rank, step)
         loss = (x @ w - y).pow(2).mean()
@@ -78,7 +81,7 @@ def train_log_on_rank0() -> torch.Tensor:
 def train_uneven_shards() -> torch.Tensor:
     """Each rank trains on every batch of its own shard."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    w = torch.zeros(8, dtype=torch.float64, device=rank_info().device, requires_grad=True)
     for step in range(n_batches(rank)):
         x, y = batch(rank, step)
         (x @ w - y).pow(2).mean().backward()
