@@ -29,6 +29,77 @@ def _by_count(costs, k):  # equal layer counts, no check for too few layers
     return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
+def _min_spread(costs, k):  # the most even split: smallest gap between costliest and cheapest
+    import itertools
+    if len(costs) < k:
+        raise ValueError("too few layers")
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        e = (0, *cuts, n)
+        sums = [sum(costs[a:b]) for a, b in zip(e, e[1:])]
+        if best is None or max(sums) - min(sums) < best[0]:
+            best = (max(sums) - min(sums), [range(a, b) for a, b in zip(e, e[1:])])
+    return best[1]
+
+
+def _forgets_return(costs, k):  # builds the stages, returns nothing
+    _min_spread(costs, k)
+
+
+def _index_error_when_too_few(costs, k):  # no check up front: fails inside with IndexError
+    import itertools
+    costs[k - 1]  # "the last stage starts at layer k - 1 at the latest"
+    n = len(costs)
+    best = min(((0, *cuts, n) for cuts in itertools.combinations(range(1, n), k - 1)),
+               key=lambda e: max(sum(costs[a:b]) for a, b in zip(e, e[1:])))
+    return [range(a, b) for a, b in zip(best, best[1:])]
+
+
+def _pipeline(stage, x, y, *, buffer=None, requires_grad=True, as_float=True, last=None):
+    """The solution's loop with one part swapped for a mistake."""
+    rank = dist.get_rank()
+    B, T = x.shape
+    is_last = stage.last if last is None else last(rank)
+    if stage.first:
+        inp = x
+    else:
+        inp = buffer(B, T, stage.n_embd) if buffer else torch.empty(B, T, stage.n_embd)
+        dist.recv(inp, src=rank - 1)
+        if requires_grad:
+            inp.requires_grad_()
+    out = stage(inp)
+    loss = None
+    if is_last:
+        loss = lm_loss(out, y)
+        loss.backward()
+    else:
+        dist.send(out.detach(), dst=rank + 1)
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=rank + 1)
+        out.backward(grad)
+    if not stage.first:
+        dist.send(inp.grad, dst=rank - 1)
+    if loss is None:
+        return None
+    return loss.item() if as_float else loss.detach()
+
+
+def _no_requires_grad(stage, x, y):  # the received activation never gets a .grad
+    return _pipeline(stage, x, y, requires_grad=False)
+
+
+def _returns_tensor(stage, x, y):  # returns the loss tensor, not loss.item()
+    return _pipeline(stage, x, y, as_float=False)
+
+
+def _last_is_rank_3(stage, x, y):  # the last stage hard-coded from the 4-rank picture
+    return _pipeline(stage, x, y, last=lambda rank: rank == 3)
+
+
+def _flat_buffer(stage, x, y):  # receives into (B, T): the activation is (B, T, n_embd)
+    return _pipeline(stage, x, y, buffer=lambda B, T, C: torch.empty(B, T))
+
+
 def _ignores_received_grad(stage, x, y):
     """Receives the output gradient but backprops ones instead (a plausible slip)."""
     rank = dist.get_rank()
@@ -84,9 +155,20 @@ class TestChapter11(ChapterChecks):
               says="slowest stage"),
         Wrong("balanced_partition", _by_count, "equal layer counts, no error for too few layers",
               says=None),
+        Wrong("balanced_partition", _min_spread, "minimizes the spread, not the slowest stage",
+              says=r"\[4, 1, 9, 4, 6, 4, 3\], 3\).*slowest stage costs 14"),
+        Wrong("balanced_partition", _forgets_return, "returns None", says="got None"),
+        Wrong("balanced_partition", _index_error_when_too_few,
+              "no up-front check: IndexError for too few layers", says="raised IndexError"),
+        Wrong("run_stage", _no_requires_grad, "no requires_grad_ on the received activation",
+              says="requires_grad_"),
+        Wrong("run_stage", _returns_tensor, "returns the loss tensor", says="as a float"),
+        Wrong("run_stage", _last_is_rank_3, "the last stage hard-coded as rank 3",
+              says="run_stage on 3 ranks"),
+        Wrong("run_stage", _flat_buffer, "a (B, T) receive buffer", says="aborted inside gloo"),
         Wrong("run_stage", _ignores_received_grad, "backprops ones, not the received gradient",
               says="gradient of .* differs"),
         # a loop that hangs is stopped and reported (short timeout to keep the suite fast)
         Wrong("run_stage", _recv_before_send, "receives before it sends: deadlock",
-              says=r"hung: rank\(s\) \[0, 1, 2, 3\]", kwargs={"timeout": 3}),
+              says=r"hung: rank\(s\) \[0, 1, 2\]", kwargs={"timeout": 3}),
     ]

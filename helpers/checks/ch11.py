@@ -11,8 +11,12 @@ from helpers.tolerance import within_fp32_noise
 
 # (layer costs, stages): equal layers, a heavy last layer (an LM head), a heavy first
 # layer (embeddings), a case where "fill up to the average" greedy splits go wrong,
-# and zero-cost layers.
+# zero-cost layers, and two where the most even split (smallest spread between the
+# costliest and the cheapest stage) is not the one with the cheapest costliest stage:
+# [4, 1, 9 | 4, 6 | 4, 3] has spread 7 but a slowest stage of 14; the optimum is 13.
 PARTITION_CASES = [
+    ([4, 1, 9, 4, 6, 4, 3], 3),
+    ([2, 7, 4, 1, 4, 8, 6], 3),
     ([1.0] * 8, 4),
     ([1.0] * 7, 3),
     ([1, 1, 1, 1, 1, 1, 4], 3),
@@ -36,9 +40,24 @@ def _best(costs, k):
 def check_balanced_partition(balanced_partition) -> None:
     """``balanced_partition(layer_costs, num_stages) -> list[range]``: contiguous,
     non-empty stages covering every layer once, minimizing the costliest stage;
-    ValueError when there are fewer layers than stages."""
+    ValueError when there are fewer layers than stages.
+
+    Catches:
+    * greedy "fill up to the average": ``[3, 3, 2, 2, 2, 2, 3, 3], 3`` and others
+      (a split with a cheaper slowest stage is shown);
+    * minimizes the spread between stages instead of the slowest stage:
+      ``[4, 1, 9, 4, 6, 4, 3], 3`` (spread-optimal split has slowest stage 14, not 13);
+    * equal layer counts: ``[1, 1, 1, 1, 1, 1, 4], 3``;
+    * empty stages (zero-cost layers, or as many stages as layers): ``[2, 0, 0, 2, 1, 1], 4``
+      and ``[1, 1, 1], 3``;
+    * non-contiguous or repeated layers, wrong number of stages: named;
+    * returns None, or not ranges/lists of indices: named;
+    * no error, or another exception than ValueError, for fewer layers than stages;
+    * raises on a valid case: named, with the case.
+    """
     for costs, k in PARTITION_CASES:
-        got = attempt(balanced_partition, list(costs), k, what="balanced_partition")
+        got = attempt(balanced_partition, list(costs), k,
+                      what=f"balanced_partition({costs}, {k})")
         try:
             stages = [range(r.start, r.stop) if isinstance(r, range) else range(r[0], r[-1] + 1)
                       for r in got]
@@ -62,6 +81,10 @@ def check_balanced_partition(balanced_partition) -> None:
         pass
     except NotImplementedError as exc:
         raise CheckFailed(f"balanced_partition is not implemented yet ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the learner's error, named
+        raise CheckFailed(f"balanced_partition([1, 1], 3) raised {type(exc).__name__}: {exc}; "
+                          f"2 layers cannot make 3 non-empty stages: check that first and "
+                          f"raise ValueError saying so") from None
     else:
         raise CheckFailed(f"balanced_partition([1, 1], 3) returned {got!r}; 2 layers cannot "
                           f"make 3 non-empty stages: raise ValueError")
@@ -72,7 +95,9 @@ def check_balanced_partition(balanced_partition) -> None:
 # The stage loop on real ranks
 # ---------------------------------------------------------------------------
 
-STAGE_LOOP_WORLD, STAGE_LOOP_LAYERS = 4, 4
+# (ranks, layers): an odd pipeline too, so "rank == 3 is the last stage" or a loop
+# written for one depth fails; 5 layers on 3 ranks makes one stage deeper than others
+STAGE_LOOP_RUNS = ((3, 5), (4, 4))
 
 
 def _batch():
@@ -81,7 +106,7 @@ def _batch():
             torch.randint(0, 64, (4, 16), generator=g))
 
 
-def _stage_loop_rank(run_stage):
+def _stage_loop_rank(run_stage, n_layer):
     """Rank function: one step of the learner's loop on this rank's stage."""
     from helpers import rank_info
     from helpers.model import build_model
@@ -89,40 +114,76 @@ def _stage_loop_rank(run_stage):
 
     torch.set_num_threads(1)
     info = rank_info()
-    stage = split_model(build_model("toy", n_layer=STAGE_LOOP_LAYERS), info.world_size)[info.rank][0]
+    stage = split_model(build_model("toy", n_layer=n_layer), info.world_size)[info.rank][0]
     x, y = _batch()
     loss = run_stage(stage, x, y)
-    return (None if loss is None else float(loss)), chunk_grads([stage])
+    # the lab states a float on the last stage, None elsewhere: keep the type's name
+    kind = type(loss).__name__
+    value = float(loss) if isinstance(loss, (float, int, torch.Tensor)) and \
+        getattr(loss, "numel", lambda: 1)() == 1 else None
+    return (kind, value), chunk_grads([stage])
+
+
+_HINTS = {"NoneType": "a tensor was None: the received activation needs requires_grad_() "
+                      "before the forward, or its .grad stays None and there is nothing to "
+                      "send back",
+          "SIGABRT": "a rank aborted inside gloo: a receive buffer of another size or dtype "
+                     "than the message sent to it (activation and gradient buffers are "
+                     "(B, T, stage.n_embd), float32)"}
 
 
 def check_run_stage(run_stage, timeout: float = 30.0) -> None:
-    """``run_stage(stage, x, y)`` on a 4-stage pipeline: loss on the last rank, and
+    """``run_stage(stage, x, y)`` on 3- and 4-stage pipelines: loss on the last rank, and
     every rank's gradients, equal the unsplit model's. A loop that hangs fails after
-    ``timeout`` seconds, naming the ranks still waiting."""
+    ``timeout`` seconds, naming the ranks still waiting.
+
+    Catches:
+    * backprops ones (or nothing) instead of the received gradient: gradients differ;
+    * forgets requires_grad_() on the received activation: the rank's error, with a hint;
+    * a receive buffer of the wrong shape/dtype: gloo's abort, with a hint;
+    * receives the gradient before sending the activation: a deadlock, named by ranks;
+    * last stage hard-coded to rank 3 or 1, or sends past the last rank: the 3-stage run;
+    * returns the loss tensor (not a float), or a loss on other ranks: named;
+    * any other exception: the rank's error, as CheckFailed.
+    """
+    for world, n_layer in STAGE_LOOP_RUNS:
+        results = on_ranks(_stage_loop_rank, world, run_stage, n_layer, timeout=timeout,
+                           what=f"run_stage on {world} ranks", hints=_HINTS)
+        last_loss = _compare_stage_loop(results, world, n_layer)
+    passed(f"3- and 4-stage pipelines: loss {last_loss:.4f} and all gradients equal the "
+           f"unsplit model")
+
+
+def _compare_stage_loop(results: list, world: int, n_layer: int) -> float:
     from helpers.model import build_model
     from helpers.pipeline.executor import reference_grads
 
-    results = on_ranks(_stage_loop_rank, STAGE_LOOP_WORLD, run_stage, timeout=timeout,
-                       what="run_stage")
     x, y = _batch()
-    ref_loss, ref = reference_grads(build_model("toy", n_layer=STAGE_LOOP_LAYERS), x, y)
+    ref_loss, ref = reference_grads(build_model("toy", n_layer=n_layer), x, y)
     # float64: the exact answer, to ~1e-16. The stages run the unsplit model's
     # float32 operations, so they must be as close to it as the float32
     # reference is (helpers.tolerance), whatever the machine's kernels.
-    ref64_loss, ref64 = reference_grads(
-        build_model("toy", n_layer=STAGE_LOOP_LAYERS).double(), x, y)
-    last_loss = results[-1][0]
-    if last_loss is None or not within_fp32_noise(
-            torch.tensor(last_loss), torch.tensor(ref_loss), torch.tensor(ref64_loss))[0]:
-        raise CheckFailed(f"the last stage returned loss {last_loss!r}; the unsplit model's "
-                          f"is {ref_loss:.6f}")
+    ref64_loss, ref64 = reference_grads(build_model("toy", n_layer=n_layer).double(), x, y)
+    for r, ((kind, _), _) in enumerate(results[:-1]):
+        if kind != "NoneType":
+            raise CheckFailed(f"{world} stages: rank {r} returned a {kind}; only the last "
+                              f"stage returns the loss, the others return None")
+    kind, last_loss = results[-1][0]
+    if kind != "float":
+        raise CheckFailed(f"{world} stages: the last stage returned a {kind}, expected the loss "
+                          f"as a float (loss.item())")
+    if not within_fp32_noise(torch.tensor(last_loss), torch.tensor(ref_loss),
+                             torch.tensor(ref64_loss))[0]:
+        raise CheckFailed(f"{world} stages: the last stage returned loss {last_loss!r}; the "
+                          f"unsplit model's is {ref_loss:.6f}")
     grads: dict[str, list] = {}
     for r, (_, g) in enumerate(results):
         for name, t in g.items():
             grads.setdefault(name, []).append((r, t))
     for name, want in ref.items():
         if name not in grads:
-            raise CheckFailed(f"no gradient for {name}: did that stage run its backward?")
+            raise CheckFailed(f"{world} stages: no gradient for {name}: did that stage run its "
+                              f"backward?")
         # the tied weight has two copies (embedding on the first rank, head on the last):
         # the unsplit model's gradient is their sum
         got = sum(t for _, t in grads[name])
@@ -130,7 +191,8 @@ def check_run_stage(run_stage, timeout: float = 30.0) -> None:
         # float32, same operations per stage as the unsplit model: rounding only
         if not within_fp32_noise(got, want, ref64[name])[0]:
             err = (got - want).abs().max().item()
-            raise CheckFailed(f"gradient of {name} (rank {ranks}) differs from the unsplit "
-                              f"model's by up to {err:.3g}. Did the received activation "
-                              f"requires_grad_(), and did you backprop the received gradient?")
-    passed(f"4-stage pipeline: loss {last_loss:.4f} and all gradients equal the unsplit model")
+            raise CheckFailed(f"{world} stages: gradient of {name} (rank {ranks}) differs from "
+                              f"the unsplit model's by up to {err:.3g}. Did the received "
+                              f"activation requires_grad_(), and did you backprop the received "
+                              f"gradient?")
+    return last_loss
