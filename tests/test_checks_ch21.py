@@ -8,8 +8,8 @@ from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch21
 
 
-def _route(logits, k, capacity, renorm=True, token_major=False):
-    probs = F.softmax(logits.float(), dim=-1)
+def _route(logits, k, capacity, renorm=True, token_major=False, off_by_one=False, dim=-1):
+    probs = F.softmax(logits.float(), dim=dim)
     top_p, experts = probs.topk(k, dim=-1)
     gates = top_p / top_p.sum(-1, keepdim=True) if renorm and k > 1 else top_p
     if capacity is None:
@@ -17,7 +17,8 @@ def _route(logits, k, capacity, renorm=True, token_major=False):
     T, E = logits.shape
     order = experts.reshape(-1) if token_major else experts.t().reshape(-1)
     one_hot = F.one_hot(order, E)
-    keep = ((one_hot.cumsum(0) * one_hot).sum(-1) - 1) < capacity
+    slot = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+    keep = slot <= capacity if off_by_one else slot < capacity
     return gates, experts, keep.reshape(T, k) if token_major else keep.reshape(k, T).t()
 
 
@@ -37,6 +38,19 @@ def _equal_splits(rows, counts, group):  # exchanges counts but ignores them for
     n = rows.size(0) - rows.size(0) % P
     received = torch.empty_like(rows[:n])
     dist.all_to_all_single(received, rows[:n].contiguous(), group=group)
+    return received, recv_counts.view(P, -1)
+
+
+def _halves(rows, counts, group):
+    # right for 2 ranks only: the experts cut into two halves, whatever the world size
+    P = dist.get_world_size(group)
+    send = counts.view(2, -1).sum(1).tolist()
+    send = send + [0] * (P - 2)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    recv = recv_counts.view(P, -1).sum(1).tolist()
+    received = rows.new_empty(sum(recv), rows.size(1))
+    dist.all_to_all_single(received, rows, recv, send, group=group)
     return received, recv_counts.view(P, -1)
 
 
@@ -66,10 +80,18 @@ class TestChapter21(ChapterChecks):
               "capacity filled token-major", says="first choice"),
         Wrong("route_top_k", lambda lg, k, c: (torch.ones(lg.size(0), k),) + _route(lg, k, c)[1:],
               "top-1 renormalized: gate 1", says="raw probability"),
+        Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, off_by_one=True),
+              "capacity off by one (slot <= C)", says="kept choices differ"),
+        Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, dim=0),
+              "softmax over the tokens", says="experts differ"),
+        Wrong("route_top_k", lambda lg, k, c: None, "returns None", says="must return"),
+        Wrong("dispatch", _halves, "two halves hard-coded", says=None),
         Wrong("dispatch", _no_exchange, "receive sizes guessed, counts not exchanged",
               says="Exchange the counts first"),
         Wrong("dispatch", _equal_splits, "counts exchanged but rows split equally",
               says="Exchange the counts first|received rows differ"),
         Wrong("combine", _no_gates, "a plain sum, no gates", says="plain sum"),
         Wrong("combine", _overwrite, "assignment keeps one choice per token", says=None),
+        Wrong("combine", lambda out, ids, gates, T: None, "returns None",
+              says="must be a tensor"),
     ]

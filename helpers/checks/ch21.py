@@ -31,6 +31,14 @@ ROUTE_CASES = [(6, 4, 1, None, 0), (6, 4, 2, None, 1), (16, 4, 1, 3, 2), (16, 4,
                (12, 3, 2, 4, 4), (10, 5, 3, 4, 5)]
 
 
+def _tensor(x, what: str) -> torch.Tensor:
+    """``x`` as a tensor, or a CheckFailed naming what it was (None, a list of lists...)."""
+    try:
+        return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise CheckFailed(f"{what} must be a tensor, got {type(x).__name__} ({exc})") from None
+
+
 def _ref_route(logits, k, capacity):
     from helpers.moe import capacity_keep, route
     _, gates, experts = route(logits, k)
@@ -38,13 +46,21 @@ def _ref_route(logits, k, capacity):
 
 
 def check_route_top_k(route_top_k) -> None:
+    """``route_top_k`` against ``helpers.moe.route`` + ``capacity_keep`` on ROUTE_CASES
+    (k = 1, 2, 3; E = 3, 4, 5; capacities that drop and that do not).
+
+    Mistakes it is built to catch: top-k gates not renormalized (k > 1); top-1
+    renormalized to a gate of 1 (the router loses its gradient); softmax over the
+    tokens instead of the experts; capacity filled token-major (token 0's second
+    choice before token 1's first); capacity off by one (slot <= C keeps C + 1);
+    experts not best-first; a wrong return shape or type."""
     for T, E, k, cap, seed in ROUTE_CASES:
         logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
         want_g, want_e, want_keep = _ref_route(logits, k, cap)
         got = attempt(route_top_k, logits.clone(), k, cap, what="route_top_k")
         if not (isinstance(got, tuple) and len(got) == 3):
             raise CheckFailed("route_top_k must return (gates, experts, keep)")
-        g, e, keep = (torch.as_tensor(t) for t in got)
+        g, e, keep = (_tensor(t, name) for t, name in zip(got, ("gates", "experts", "keep")))
         case = f"(T={T}, E={E}, k={k}, capacity={cap})"
         if tuple(e.shape) != (T, k) or not torch.equal(e.long(), want_e):
             raise CheckFailed(f"experts differ for {case}: expected the k most probable "
@@ -88,10 +104,29 @@ def _dispatch_rank(dispatch, E, H):
     return dict(got=got, want=want, want_counts=want_counts)
 
 
+# (ranks, experts): an odd world (3 ranks, 2 experts each) and 4 ranks, so that two
+# halves hard-coded, or a size that only works for P = 2, fail
+DISPATCH_CASES = [(3, 6), (4, 8)]
+
+
 def check_dispatch(dispatch) -> None:
-    E, H, P = 4, 3, 2
+    """``dispatch`` on real ranks (DISPATCH_CASES) against the counts exchange of
+    ``helpers.moe.exchange_splits`` and one ``all_to_all_single`` of the rows.
+
+    Mistakes it is built to catch: receive sizes guessed from one's own send sizes
+    (the counts not exchanged: gloo aborts, the hint says why); counts exchanged but
+    the rows split equally; the experts split into two halves whatever the world
+    size; recv_counts not shaped (P, E/P) by source rank."""
+    H = 3
     probe_rows = torch.zeros(0, H)
-    res = on_ranks(_dispatch_rank, P, dispatch, E, H, what="dispatch",
+    for P, E in DISPATCH_CASES:
+        _dispatch_on(dispatch, P, E, H, probe_rows)
+    passed(f"dispatch right: counts exchanged first, variable-split all-to-all on "
+           f"{' and '.join(str(P) for P, _ in DISPATCH_CASES)} ranks")
+
+
+def _dispatch_on(dispatch, P, E, H, probe_rows) -> None:
+    res = on_ranks(_dispatch_rank, P, dispatch, E, H, what=f"dispatch on {P} ranks",
                    probe=lambda: dispatch(probe_rows, torch.zeros(E, dtype=torch.long), None),
                    hints={"SIGABRT": "gloo aborts when an all-to-all receives more or fewer "
                           "bytes than the sender sends. Exchange the counts first and size "
@@ -103,22 +138,30 @@ def check_dispatch(dispatch) -> None:
         if not (isinstance(got, tuple) and len(got) == 2):
             raise CheckFailed("dispatch must return (received, recv_counts)")
         received, recv_counts = got
-        if not torch.equal(torch.as_tensor(recv_counts).reshape(out["want_counts"].shape).long(),
-                           out["want_counts"]):
-            raise CheckFailed(f"rank {r}: recv_counts {torch.as_tensor(recv_counts).tolist()}, "
+        rc, want_rc = _tensor(recv_counts, "recv_counts"), out["want_counts"]
+        if rc.numel() != want_rc.numel() or not torch.equal(rc.reshape(want_rc.shape).long(),
+                                                            want_rc):
+            raise CheckFailed(f"{P} ranks, {E} experts, rank {r}: recv_counts "
+                              f"{torch.as_tensor(recv_counts).tolist()}, "
                               f"expected {out['want_counts'].tolist()}: row q is what rank q "
                               f"sends to each of my experts. Exchange the counts first.")
         # the same floats moved, not computed: exact equality
         if tuple(received.shape) != tuple(out["want"].shape) or \
                 not torch.equal(received, out["want"]):
-            raise CheckFailed(f"rank {r}: received rows differ (shape {tuple(received.shape)}, "
+            raise CheckFailed(f"{P} ranks, {E} experts, rank {r}: received rows differ "
+                              f"(shape {tuple(received.shape)}, "
                               f"expected {tuple(out['want'].shape)}). Split the send by "
                               f"destination rank (E/P experts each) and size the receive "
                               f"from the exchanged counts.")
-    passed("dispatch right: counts exchanged first, variable-split all-to-all on 2 ranks")
 
 
 def check_combine(combine) -> None:
+    """``combine`` against ``index_add_`` of gate * output, rows in expert order (not
+    token order), some second choices dropped.
+
+    Mistakes it is built to catch: the plain sum without gates; assignment
+    (``y[ids] = ...``) that keeps one choice per token; rows assumed in token order;
+    a wrong shape."""
     g = torch.Generator().manual_seed(7)
     T, H, k = 6, 4, 2
     token_ids = torch.arange(T).repeat_interleave(k)[torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11])]
@@ -129,7 +172,7 @@ def check_combine(combine) -> None:
     out, token_ids, gates = out[order], token_ids[order], gates[order]
     want = torch.zeros(T, H).index_add_(0, token_ids, out * gates.unsqueeze(1))
     got = attempt(combine, out.clone(), token_ids.clone(), gates.clone(), T, what="combine")
-    got = torch.as_tensor(got)
+    got = _tensor(got, "combine's result")
     # at most k = 2 products summed per token: a few fp32 ulps of values below ~10
     if tuple(got.shape) != (T, H) or (got - want).abs().max() > 1e-5:
         hint = ""
