@@ -93,13 +93,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers.clock import clock_for, elapsed
 from helpers.data import make_dataset
 from helpers.ddp import allreduce_hook
 from helpers.launch import launch, rank_info
@@ -295,11 +295,12 @@ def train_3d(layout: CapstoneLayout, seed: int = 0, omit: str | None = None) -> 
     def loss_fn(logits, y):  # logits (b, T, V/t), this rank's vocabulary slice
         return vocab_parallel_cross_entropy(logits, y, groups["tp"], vocab_start=vocab_start)
 
+    clk = clock_for(device)
     shard = layout.batch // layout.dp  # replica d takes rows [d*shard, (d+1)*shard)
     losses, times, grads = [], [], None
     for step, (x, y) in enumerate(capstone_batches(layout, seed)):
         x, y = (u[d * shard:(d + 1) * shard].to(device) for u in (x, y))
-        t0 = time.perf_counter()
+        t0 = clk.mark()
         for p in params:  # pipeline_step accumulates into .grad: zeros, not None
             p.grad = torch.zeros_like(p)
         res = pipeline_step([chunk], schedule, x, y, group=groups["pp"], loss_fn=loss_fn,
@@ -307,9 +308,7 @@ def train_3d(layout: CapstoneLayout, seed: int = 0, omit: str | None = None) -> 
         if omit != "dp":
             sync_data_parallel(params, groups["dp"])
         sgd_step(params, layout.lr)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clk.mark()))  # on a GPU: when its queued work finished
         losses.append(res.loss)
         if step == 0:  # the step leaves .grad as it was: gather after the timed step
             whole = gather_dense(chunk, grads=True)  # collective over the TP group
@@ -329,13 +328,14 @@ def reference_run(layout: CapstoneLayout, seed: int = 0,
     Returns per-step losses, the step-1 gradients by name and per-step times."""
     model = build_model(layout.config, seed=seed).to(dtype)
     losses, grads, times = [], {}, []
+    clk = clock_for(next(model.parameters()).device)
     for step, (x, y) in enumerate(capstone_batches(layout, seed)):
-        t0 = time.perf_counter()
+        t0 = clk.mark()
         model.zero_grad(set_to_none=True)
         _, loss = model(x, y)
         loss.backward()
         sgd_step(list(model.parameters()), layout.lr)
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clk.mark()))
         losses.append(float(loss.detach()))
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -25,8 +25,10 @@ Five bottlenecks show up as five shapes of that breakdown:
 The order of the tests matters: a straggler makes comm look large on the
 fast ranks, so the spread between ranks is checked before the largest part.
 
-Timing on a GPU needs ``torch.cuda.synchronize()`` before reading the clock
-(kernels run asynchronously); on CPU with gloo every call is synchronous.
+Each part is timed with ``helpers.clock``: on CPU with gloo every call is
+synchronous and the host clock measures it; on a GPU kernels and nccl
+collectives run after the call returns, so the part ends at a CUDA event on
+the stream, which completes when the work it queued has finished.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from helpers.clock import clock_for, elapsed
 from helpers.data import ShardedSampler, make_dataset
 from helpers.launch import rank_info
 from helpers.model import build_model
@@ -87,11 +90,12 @@ def classify_bottleneck(profile: StepProfile) -> str:
 
 
 def _timed(fn, *args):
-    start = time.perf_counter()
+    # helpers.clock: on a GPU two events on the stream, so the span covers the
+    # kernels and collectives ``fn`` queued, not only their launch
+    clk = clock_for()
+    start = clk.mark()
     out = fn(*args)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # a GPU clock read without this measures launch time only
-    return out, time.perf_counter() - start
+    return out, elapsed(start, clk.mark())
 
 
 def dp_step_profile(size: str = "toy", batch_size: int = 8, steps: int = 8,
