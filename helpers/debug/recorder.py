@@ -281,6 +281,8 @@ class Recorder:
         if device is None or device.type != "cuda" or outcome != "returned":
             self._complete(rec, outcome, rec.returned)
             return
+        if self._sink is not None:  # scheduled: the caller's diff can tell it from unissued
+            self._sink(("returned", rec.seq, rec.returned))
         works = [w for w in (result if isinstance(result, list) else [result])
                  if hasattr(w, "is_completed")]
         done = works if rec.async_op and works else [clock_for(device).mark()]
