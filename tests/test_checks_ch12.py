@@ -26,6 +26,37 @@ def one_short(p, m):
     return out
 
 
+def warmup_for_two(p, m):
+    """Warm-up written while looking at 2 ranks: rank 0 one forward, rank 1 none."""
+    out = []
+    for r in range(p):
+        w = min(max(1 - r, 0), m)
+        out.append([F(j) for j in range(w)] + [a for k in range(m - w) for a in (F(k + w), B(k))]
+                   + [B(j) for j in range(m - w, m)])
+    return out
+
+
+def warmup_uncapped(p, m):
+    """Warm-up of p - r - 1 forwards, not capped at m: F(j) for micro-batches that don't
+    exist when m < p."""
+    out = []
+    for r in range(p):
+        w = p - r - 1
+        out.append([F(j) for j in range(w)] + [a for k in range(m - w) for a in (F(k + w), B(k))]
+                   + [B(j) for j in range(max(m - w, 0), m)])
+    return out
+
+
+def _prints_schedule(p, m):  # builds the schedule, forgets to return it
+    from helpers.pipeline import one_f_one_b
+    print(one_f_one_b(p, m))
+
+
+def _flat(p, m):  # one list for all ranks
+    from helpers.pipeline import one_f_one_b
+    return [a for row in one_f_one_b(p, m) for a in row]
+
+
 def _w_after_b(p, m):
     """1F1B with every backward cut into B and W, W at once: valid, 1F1B's bubble."""
     from helpers.pipeline import W, one_f_one_b
@@ -63,12 +94,30 @@ class TestChapter12(ChapterChecks):
         Wrong("one_f_one_b", reversed_warmup, "warm-up of r forwards: deadlock",
               says="can never finish.*deadlocks"),
         Wrong("one_f_one_b", one_short, "warm-up one forward short", says=None),
+        Wrong("bubble_fraction", lambda p, m, v=1: (p - 1) // (v * m + p - 1),
+              "integer division", says=r"bubble_fraction\(2, 2, 1\) = 0.0000"),
+        Wrong("bubble_fraction", lambda p, m, v=1: (m - 1) / (v * p + m - 1),
+              "p and m swapped", says=r"bubble_fraction\(4, 16, 1\)"),
+        Wrong("bubble_fraction", lambda p, m, v=1: str((p - 1) / (v * m + p - 1)),
+              "returns a formatted string", says="should be a number"),
+        Wrong("bubble_fraction", lambda p, m: (p - 1) / (m + p - 1),
+              "no v parameter", says="raised TypeError"),
+        Wrong("one_f_one_b", warmup_for_two, "warm-up hard-coded for 2 ranks",
+              says=r"one_f_one_b\(1, "),
+        Wrong("one_f_one_b", warmup_uncapped, "warm-up not capped at m",
+              says="not a valid schedule"),
+        Wrong("one_f_one_b", _prints_schedule, "returns None", says="returned None"),
+        Wrong("one_f_one_b", _flat, "one flat list for all ranks",
+              says="one list of actions per rank|not a valid schedule"),
+        Wrong("one_f_one_b on ranks", warmup_uncapped, "warm-up not capped at m",
+              says=r"one_f_one_b\(4, 2\) is not a valid schedule"),
+        Wrong("zb_h1", _prints_schedule, "returns None", says="returned None"),
         Wrong("one_f_one_b", lambda p, m: [[F(j) for j in range(m)] for _ in range(p)],
               "forwards only", says="not a valid schedule"),
         Wrong("one_f_one_b on ranks", reversed_warmup, "warm-up of r forwards: deadlock",
               says="can never finish"),
         # GPipe order runs correctly on the ranks, but its measured stash gives it away
-        Wrong("one_f_one_b on ranks", gpipe, "GPipe order", says=r"measured peak stash \[4, 4\]"),
+        Wrong("one_f_one_b on ranks", gpipe, "GPipe order", says=r"measured peak stash \[4, 4, 4\]"),
         Wrong("zb_h1", _w_after_b, "W right after its B", says="W runs right after its B"),
         Wrong("zb_h1", _all_w_last, "every W postponed to the end", says="keeps 1F1B's memory"),
         Wrong("zb_h1", _w_before_b, "W before its B",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
@@ -12,12 +14,24 @@ from helpers.pipeline import (Action, ScheduleDeadlock, format_schedule, interle
 
 def check_bubble_fraction(bubble_fraction) -> None:
     """``bubble_fraction(p, m, v=1)``: idle share of a step's rank-time with t_b = 2 t_f,
-    compared with what the simulator measures on the real schedules."""
+    compared with what the simulator measures on the real schedules.
+
+    Catches:
+    * the papers' form, relative to the ideal time ``(p-1)/(vm)``: (2, 2, 1) (named);
+    * forgets that interleaving divides the fill by v: (2, 4, 2);
+    * integer division (``//``): 0 at (2, 2, 1);
+    * the bubble of m < p taken as if m >= p, or p and m swapped: (4, 16, 1), (4, 2, 1);
+    * a single stage not 0: (1, 3, 1);
+    * returns None, a string or a bool (``float()`` would take them), or raises: named.
+    """
     for p, m, v in [(2, 2, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1), (2, 4, 2), (4, 8, 2),
-                    (4, 4, 4), (1, 3, 1)]:
+                    (4, 4, 4), (1, 3, 1), (4, 2, 1), (3, 5, 1)]:
         want = simulate(interleaved_1f1b(p, m, v), 1.0, 2.0).bubble_fraction
-        got = attempt(bubble_fraction, p, m, v, what="bubble_fraction")
+        got = attempt(bubble_fraction, p, m, v, what=f"bubble_fraction({p}, {m}, {v})")
         try:
+            # a number, as the lab states: a string or a bool would pass float()
+            if not isinstance(got, numbers.Real) or isinstance(got, bool):
+                raise TypeError
             ok = abs(float(got) - want) < 1e-9
         except (TypeError, ValueError):
             raise CheckFailed(f"bubble_fraction({p}, {m}, {v}) should be a number, got {got!r}") \
@@ -35,16 +49,29 @@ def check_bubble_fraction(bubble_fraction) -> None:
 GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 5, 8, 12)]
 
 
-def _learner_schedule(one_f_one_b_fn, p, m):
-    got = attempt(one_f_one_b_fn, p, m, what="one_f_one_b")
+def _validated(got, p: int, m: int, name: str, deadlock_hint: str = "") -> list:
+    """The schedule validated, or a CheckFailed naming the case (never a raw error:
+    a None or a flat list makes the validator raise TypeError or AttributeError)."""
+    if got is None:
+        raise CheckFailed(f"{name}({p}, {m}) returned None: return the schedule (one list "
+                          f"of actions per rank)")
     try:
-        sched = validate_schedule(got, num_microbatches=m, num_chunks=1)
+        return validate_schedule(got, num_microbatches=m, num_chunks=1)
     except ScheduleDeadlock as exc:
-        raise CheckFailed(f"one_f_one_b({p}, {m}) can never finish: {exc}. Check the "
-                          f"warm-up count of each rank (which rank needs the most forwards "
-                          f"in flight?)") from None
+        raise CheckFailed(f"{name}({p}, {m}) can never finish: {exc}.{deadlock_hint}") from None
     except ValueError as exc:
-        raise CheckFailed(f"one_f_one_b({p}, {m}) is not a valid schedule: {exc}") from None
+        raise CheckFailed(f"{name}({p}, {m}) is not a valid schedule: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a malformed return, named
+        raise CheckFailed(f"{name}({p}, {m}) should return one list of actions per rank "
+                          f"(F(j), B(j){', W(j)' if name == 'zb_h1' else ''}), got {got!r:.120} "
+                          f"({type(exc).__name__}: {exc})") from None
+
+
+def _learner_schedule(one_f_one_b_fn, p, m):
+    got = attempt(one_f_one_b_fn, p, m, what=f"one_f_one_b({p}, {m})")
+    sched = _validated(got, p, m, "one_f_one_b",
+                       " Check the warm-up count of each rank (which rank needs the most "
+                       "forwards in flight?)")
     if len(sched) != p:
         raise CheckFailed(f"one_f_one_b({p}, {m}) has {len(sched)} rank(s), expected {p}")
     return sched
@@ -52,7 +79,16 @@ def _learner_schedule(one_f_one_b_fn, p, m):
 
 def check_one_f_one_b(one_f_one_b_fn) -> None:
     """``one_f_one_b(p, m)``: per-rank lists of F(j)/B(j), valid, deadlock-free, with
-    1F1B's stash min(p - i, m) on rank i and 1F1B's order."""
+    1F1B's stash min(p - i, m) on rank i and 1F1B's order.
+
+    Catches (GRID: p = 1, 2, 3, 4, 6 with m below, at and above p):
+    * GPipe order: the stash is m on every rank (named);
+    * warm-up of r forwards (reversed): a deadlock (named);
+    * warm-up hard-coded for 2 ranks, or one short: another stash or order at p = 1, 3, ...
+    * warm-up not capped at m (m < p): an invalid schedule, named;
+    * forwards only, missing or repeated micro-batches: not a valid schedule (named);
+    * returns None or a flat list, or raises: named with the case.
+    """
     for p, m in GRID:
         sched = _learner_schedule(one_f_one_b_fn, p, m)
         sim = simulate(sched, 1.0, 2.0)
@@ -75,7 +111,8 @@ def check_one_f_one_b(one_f_one_b_fn) -> None:
            f"bubble (p-1)/(m+p-1)")
 
 
-RANKS_P, RANKS_M, RANKS_LAYERS = 2, 4, 4
+# (ranks, micro-batches): an odd pipeline with m > p, and m < p (warm-up capped at m)
+RANKS_RUNS, RANKS_LAYERS = ((3, 4), (4, 2)), 4
 
 
 def _batch():
@@ -92,21 +129,35 @@ def _executor_rank(schedule):
     torch.set_num_threads(1)
     info = rank_info()
     chunks = split_model(build_model("toy", n_layer=RANKS_LAYERS), info.world_size)[info.rank]
-    x, y = _batch()
+    x, y = (t.to(info.device) for t in _batch())
     res = pipeline_step(chunks, schedule, x, y)
     return res.loss, chunk_grads(chunks), res.peak_stash
 
 
 def check_one_f_one_b_on_ranks(one_f_one_b_fn) -> None:
-    """Run the learner's 1F1B on 2 real ranks with the course executor: loss and gradients
-    must equal the unsplit model's, and the stash measured from the activations autograd
-    really keeps must be 1F1B's."""
+    """Run the learner's 1F1B on 3 and 4 real ranks (m = 4 and 2) with the course
+    executor: loss and gradients must equal the unsplit model's, and the stash measured
+    from the activations autograd really keeps must be 1F1B's.
+
+    Catches:
+    * GPipe order: correct numbers, but the measured stash is m per rank (named);
+    * a deadlocking or invalid schedule: refused before any rank starts (named);
+    * a warm-up not capped at m: the 4-rank run has m = 2 < p;
+    * raises or returns None: named with the case.
+    """
+    for p, m in RANKS_RUNS:
+        sched = _learner_schedule(one_f_one_b_fn, p, m)  # refuses a deadlock before ranks run
+        results = on_ranks(_executor_rank, p, sched,
+                           what=f"the pipeline with your schedule on {p} ranks")
+        shown, loss = _compare_pipeline(results, p, m)
+    passed(f"3 and 4 real ranks (m = 4, 2): loss {loss:.4f} and gradients equal the unsplit "
+           f"model; measured stash {shown} = 1F1B's")
+
+
+def _compare_pipeline(results: list, p: int, m: int) -> tuple[str, float]:
     from helpers.model import build_model
     from helpers.pipeline.executor import reference_grads
 
-    p, m = RANKS_P, RANKS_M
-    sched = _learner_schedule(one_f_one_b_fn, p, m)  # refuses a deadlock before any rank runs
-    results = on_ranks(_executor_rank, p, sched, what="the pipeline with your schedule")
     x, y = _batch()
     ref_loss, ref = reference_grads(build_model("toy", n_layer=RANKS_LAYERS), x, y)
     # float64: the exact answer, to ~1e-16; the pipeline's float32 sums run in
@@ -115,23 +166,28 @@ def check_one_f_one_b_on_ranks(one_f_one_b_fn) -> None:
     loss = results[-1][0]
     if loss is None or not within_fp32_noise(
             torch.tensor(loss), torch.tensor(ref_loss), torch.tensor(ref64_loss))[0]:
-        raise CheckFailed(f"loss {loss!r} on the last rank, unsplit model {ref_loss:.6f}")
-    grads = {**results[0][1], **results[1][1]}
+        raise CheckFailed(f"{p} ranks, m = {m}: loss {loss!r} on the last rank, unsplit model "
+                          f"{ref_loss:.6f}")
+    grads: dict = {}
+    for _, g, _ in results:
+        # the executor already sums the tied weight's two copies (first and last rank):
+        # either copy is the unsplit model's gradient
+        grads.update(g)
     for name, want in ref.items():
         # accumulation over micro-batches reorders float32 sums: rounding only
-        if not within_fp32_noise(grads[name], want, ref64[name])[0]:
-            raise CheckFailed(f"gradient of {name} differs from the unsplit model's")
+        if name not in grads or not within_fp32_noise(grads[name], want, ref64[name])[0]:
+            raise CheckFailed(f"{p} ranks, m = {m}: gradient of {name} differs from the "
+                              f"unsplit model's")
     # measured from the bytes autograd keeps, in micro-batches (float: a micro-batch
     # being freed counts by the share of its bytes still alive)
     measured = [round(r[2], 6) for r in results]
     shown = "[" + ", ".join(f"{x:g}" for x in measured) + "]"
     want = [min(p - i, m) for i in range(p)]
     if measured != want:
-        raise CheckFailed(f"measured peak stash {shown} micro-batches per rank; 1F1B keeps "
-                          f"{want}. The pipeline is correct but holds more activations than "
-                          f"1F1B needs (GPipe order?)")
-    passed(f"2 real ranks, m = {m}: loss {loss:.4f} and gradients equal the unsplit model; "
-           f"measured stash {shown} = 1F1B's")
+        raise CheckFailed(f"{p} ranks, m = {m}: measured peak stash {shown} micro-batches per "
+                          f"rank; 1F1B keeps {want}. The pipeline is correct but holds more "
+                          f"activations than 1F1B needs (GPipe order?)")
+    return shown, float(loss)
 
 
 ZB_GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 6, 8, 12)]
@@ -141,17 +197,22 @@ def check_zb_h1(zb_h1_fn) -> None:
     """``zb_h1(p, m)``: per-rank lists of F(j), B(j) (input gradient) and W(j) (weight
     gradient). Verified by the simulator with T_F = T_B = T_W (Qi et al. 2023, sec. 3.1):
     a valid, deadlock-free schedule, at most p micro-batches in flight on any rank
-    (1F1B's peak, held from F to W), and a bubble no larger than ZB-H1's."""
+    (1F1B's peak, held from F to W), and a bubble no larger than ZB-H1's.
+
+    Catches:
+    * every W right after its B (1F1B cut in two): 1F1B's bubble (named);
+    * every W postponed to the end: more than p micro-batches held (named);
+    * W before its B: an invalid schedule (named);
+    * plain 1F1B, no W at all: named;
+    * W's held back by a count written for one p: the bubble or the memory at another p
+      of ZB_GRID (p = 1, 2, 3, 4, 6);
+    * returns None or a malformed list, or raises: named with the case.
+    """
     from helpers.pipeline import zb_h1 as reference
 
     for p, m in ZB_GRID:
-        got = attempt(zb_h1_fn, p, m, what="zb_h1")
-        try:
-            sched = validate_schedule(got, num_microbatches=m, num_chunks=1)
-        except ScheduleDeadlock as exc:
-            raise CheckFailed(f"zb_h1({p}, {m}) can never finish: {exc}") from None
-        except ValueError as exc:
-            raise CheckFailed(f"zb_h1({p}, {m}) is not a valid schedule: {exc}") from None
+        got = attempt(zb_h1_fn, p, m, what=f"zb_h1({p}, {m})")
+        sched = _validated(got, p, m, "zb_h1")
         if len(sched) != p:
             raise CheckFailed(f"zb_h1({p}, {m}) has {len(sched)} rank(s), expected {p}")
         if p > 1 and not any(a.kind == "W" for row in sched for a in row):
