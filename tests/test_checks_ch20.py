@@ -19,6 +19,23 @@ def _everything_at_stage_1(n, dp, tp, pp, zero):
     return 16 * n / (tp * pp) / (dp if zero >= 1 else 1) / GB
 
 
+def _stage_off_by_one(n, dp, tp, pp, zero):   # gradients sharded from stage 1
+    n = n / (tp * pp)
+    return (2 * n / (dp if zero >= 3 else 1) + 2 * n / (dp if zero >= 1 else 1)
+            + 12 * n / (dp if zero >= 1 else 1)) / GB
+
+
+def _no_model_parallel_split(n, dp, tp, pp, zero):
+    return (2 * n / (dp if zero >= 3 else 1) + 2 * n / (dp if zero >= 2 else 1)
+            + 12 * n / (dp if zero >= 1 else 1)) / GB
+
+
+def _gib(n, dp, tp, pp, zero):
+    n = n / (tp * pp)
+    return (2 * n / (dp if zero >= 3 else 1) + 2 * n / (dp if zero >= 2 else 1)
+            + 12 * n / (dp if zero >= 1 else 1)) / 2**30
+
+
 def _tp_over_two_nodes(model, batch, gpu, topo):   # "TP 16 for a 70B model"
     return Layout(topo.world_size // 16, 16, 1, zero=3, recompute="full")
 
@@ -114,6 +131,15 @@ class TestChapter20(ChapterChecks):
               says="optimizer state .* is missing"),
         Wrong("model_state", _everything_at_stage_1, "shards everything at stage 1",
               says="expected"),
+        Wrong("model_state", _stage_off_by_one, "gradients sharded from stage 1",
+              says="expected"),
+        Wrong("model_state", _no_model_parallel_split, "tp x pp split forgotten",
+              says="expected"),
+        Wrong("model_state", _gib, "GiB instead of GB", says="expected"),
+        Wrong("capstone_verdict", lambda r: int(r.max_grad_diff <= r.bound and all(
+              abs(a - b) <= r.bound for a, b in zip(r.losses, r.reference_losses))
+              and len(r.losses) == len(r.reference_losses)), "returns an int",
+              says="must return a bool"),
         Wrong("choose_layout", _tp_over_two_nodes, "TP across two nodes",
               says="TP crosses a node"),
         Wrong("choose_layout", _deepest_pipeline, "feasible but slow: the deepest pipeline",

@@ -16,7 +16,12 @@ __all__ = ["check_model_state", "check_choose_layout", "check_capstone_verdict",
 
 def check_model_state(model_state_gb) -> None:
     """``model_state_gb(n_params, dp, tp, pp, zero)`` -> GB per GPU of weights, gradients
-    and optimizer state (bf16 mixed-precision Adam), against ``helpers.memory``."""
+    and optimizer state (bf16 mixed-precision Adam), against ``helpers.memory``.
+
+    Mistakes it is built to catch (every ZeRO stage appears, with tp x pp > 1 and dp
+    from 8 to 128): the optimizer state left out; everything sharded from stage 1;
+    a stage off by one (gradients sharded at stage 1, or only from stage 3); the
+    tp x pp split forgotten; bytes or GiB instead of GB."""
     from helpers.memory import GB, model_state_bytes
 
     cases = [(7e9, 8, 1, 1, 0), (7e9, 8, 1, 1, 1), (70e9, 64, 1, 1, 3), (70e9, 8, 8, 1, 2),
@@ -190,7 +195,11 @@ class _Run:
 def check_capstone_verdict(capstone_agrees) -> None:
     """``capstone_agrees(result) -> bool``: True exactly when every step's loss and the
     gradients after step 1 are within ``result.bound`` of the single-process run, and
-    both runs have the same number of steps."""
+    both runs have the same number of steps.
+
+    Mistakes it is built to catch: the gradients ignored; zip hiding a missing step;
+    a NaN accepted (NaN > bound is False); exact equality instead of the bound; a
+    truthy non-bool (1, a tensor) returned."""
     ref = [4.17, 4.02, 3.88]
     cases = [
         ("equal runs", _Run(list(ref), ref, 0.0, 1e-5), True),
