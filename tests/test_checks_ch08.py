@@ -66,6 +66,45 @@ class ColumnWithoutF(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class GAllReducesInPlace(torch.autograd.Function):
+    # Plausible mistake: g all-reduces its input in place and returns it.
+    @staticmethod
+    def forward(ctx, x, group):
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ColumnHalves(nn.Module):
+    # Plausible mistake: the slice hard-coded to halves (right at t = 2 only).
+    def __init__(self, linear, group=None):
+        super().__init__()
+        self.group = group
+        n, r = linear.out_features // 2, tp_rank(group)
+        self.weight = nn.Parameter(linear.weight.detach()[r * n:(r + 1) * n].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[r * n:(r + 1) * n].clone())
+
+    def forward(self, x):
+        from helpers.tp import f
+        return F.linear(f(x, self.group), self.weight, self.bias)
+
+
+class RowSwapped(nn.Module):
+    # Plausible mistake: the row layer slices output rows, like the column layer.
+    def __init__(self, linear, group=None):
+        super().__init__()
+        self.group = group
+        n, r = linear.out_features // tp_size(group), tp_rank(group)
+        self.weight = nn.Parameter(linear.weight.detach()[r * n:(r + 1) * n].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        return g(F.linear(x, self.weight), self.group) + self.bias
+
+
 class TestChapter08(ChapterChecks):
     lab = "labs/08_tensor_parallel_basics_lab.ipynb"
     sol = "solutions/08_tensor_parallel_basics_solution.ipynb"
@@ -80,6 +119,12 @@ class TestChapter08(ChapterChecks):
               says="f's forward summed x over ranks"),
         Wrong("f_g", {"ReduceFromTP": GAllReducesInBackwardToo},
               "g all-reduces in backward too", says="g's backward all-reduced"),
+        Wrong("f_g", {"ReduceFromTP": GAllReducesInPlace}, "g all-reduces its input in place",
+              says="changed its input"),
+        Wrong("parallel_layers", {"ColumnParallelLinear": ColumnHalves},
+              "column slice hard-coded to halves", says="12 / 3"),
+        Wrong("parallel_layers", {"RowParallelLinear": RowSwapped},
+              "row layer slices rows", says="input columns"),
         Wrong("parallel_layers", {"RowParallelLinear": RowBiasOnEveryRank},
               "row-parallel bias added on every rank", says="bias on every rank"),
         Wrong("parallel_layers", {"ColumnParallelLinear": ColumnWithoutF},
