@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
 from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 
 
@@ -50,11 +50,11 @@ def run(kind, size, seq, steps):
     for _ in range(steps):
         if hook is not None:
             hook.reset()
-        t0 = time.perf_counter()
+        t0 = clock_for(x).mark()
         ddp(x, x)[1].backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clock_for(x).mark()))
     n = sum(p.numel() for p in ddp.parameters())
     dense = 2 * (r.world_size - 1) / r.world_size * 4 * n
     sent = hook.bytes_sent if hook is not None else dense
@@ -83,11 +83,11 @@ def _run_torch(kind, size, seq, steps):
     x = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(r.rank))
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock_for(x).mark()
         ddp(x, x)[1].backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clock_for(x).mark()))
     return {"step": sorted(times[WARMUP:])[len(times[WARMUP:]) // 2], "sent": float("nan"),
             "dense": 1.0}
 

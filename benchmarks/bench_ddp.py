@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from _args import at_least, validate  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 
 
@@ -61,16 +62,15 @@ def _bench(size: str, steps: int, micro: int, seq: int, cap_mb: float) -> dict:
             dist.barrier()
             if device != "cpu":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock_for(x).mark()
             opt.zero_grad(set_to_none=True)
             loss = m(x, y)[1]
             loss.backward()
             if k.startswith("naive"):
                 average_gradients(m)
             opt.step()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            # on a GPU the end mark is an event after the step's kernels and all-reduces
+            dt = torch.tensor([elapsed(t0, clock_for(x).mark())], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= 2:  # two warm-up steps
                 times[k].append(float(dt))

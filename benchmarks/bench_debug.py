@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from _args import at_least, validate  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 
 KINDS = ["torch DDP", "BucketedDDP", "BucketedDDP + recorder", "torch DDP + recorder"]
@@ -70,14 +71,12 @@ def _bench(size: str, steps: int, micro: int, seq: int, calls: int) -> dict:
             dist.barrier()
             if device != "cpu":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock_for(x).mark()
             with record_collectives() if k.endswith("recorder") else contextlib.nullcontext() as rec:
                 opt.zero_grad(set_to_none=True)
                 m(x, y)[1].backward()
                 opt.step()
-                if device != "cpu":
-                    torch.cuda.synchronize()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dt = torch.tensor([elapsed(t0, clock_for(x).mark())], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= 2:  # two warm-up steps
                 times[k].append(float(dt))

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from helpers.clock import clock_for, elapsed
 from helpers.precision import E4M3, FP8_GEMM, FP8Linear, scaled_mm_available
 
 TARGET = 1.6        # FP8 / bf16 speed at 8192^3 on an H100 (issue 4)
@@ -47,10 +47,10 @@ def timeit(fn, reps: int, device: str, warmup: int, repeats: int = 5) -> float:
             end.synchronize()                  # device work is asynchronous: wait, then read
             times.append(start.elapsed_time(end) / 1e3 / reps)
         else:
-            t0 = time.perf_counter()
+            t0 = clock_for("cpu").mark()
             for _ in range(reps):
                 fn()
-            times.append((time.perf_counter() - t0) / reps)
+            times.append(elapsed(t0, clock_for("cpu").mark()) / reps)
     return statistics.median(times)
 
 

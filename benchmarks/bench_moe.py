@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
 from _args import at_least  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 
 
@@ -50,10 +50,10 @@ def _median(xs):
 def _layer_steps(layer, x, steps):
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock_for(x).mark()
         y, _ = layer(x)
         y.square().mean().backward()
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clock_for(x).mark()))
     return _median(times)
 
 
@@ -68,7 +68,7 @@ def _ping_pong(nbytes, reps, trips=10):
     times = []
     for _ in range(reps + 1):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clock_for(buf).mark()
         for _ in range(trips):
             if r == 0:
                 dist.send(buf, 1)
@@ -76,7 +76,7 @@ def _ping_pong(nbytes, reps, trips=10):
             elif r == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-        times.append((time.perf_counter() - t0) / (2 * trips))
+        times.append(elapsed(t0, clock_for(buf).mark()) / (2 * trips))
     return _median(times)
 
 
@@ -88,9 +88,9 @@ def _timed_all_to_all(n_rows, hidden, splits_out, splits_in, steps):
     times = []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clock_for(send).mark()
         dist.all_to_all_single(recv, send, splits_out, splits_in)
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clock_for(send).mark()))
     return _median(times)
 
 
@@ -117,9 +117,9 @@ def run_ep(tokens, hidden, experts, top_k, steps, capacity_factor):
         times = []
         for _ in range(steps):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clock_for(rows).mark()
             fn().sum().backward()
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed(t0, clock_for(rows).mark()))
         out[name] = _median(times)
     out["bytes"] = st.dispatch_bytes
     torch.manual_seed(0)

@@ -24,13 +24,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 from helpers.parallel3d import (CapstoneLayout, capstone_batches, run_capstone,  # noqa: E402
                                 sgd_step)
@@ -53,14 +53,14 @@ def _plain_steps(layout: CapstoneLayout, ddp: bool, threads: int | None = None) 
     losses, times = [], []
     for x, y in capstone_batches(layout):
         x, y = (u[info.rank * shard:(info.rank + 1) * shard].to(device) for u in (x, y))
-        t0 = time.perf_counter()
+        t0 = clock_for(device).mark()
         model.zero_grad(set_to_none=True)
         _, loss = model(x, y)
         loss.backward()  # DDP: bucketed all-reduce overlapped with backward
         sgd_step(list(model.parameters()), layout.lr)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(elapsed(t0, clock_for(device).mark()))
         losses.append(float(loss.detach()))
     return {"losses": losses, "times": times, "threads": torch.get_num_threads()}
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 import torch.utils.checkpoint as tuc
 
 from _args import at_least, check_size_seq  # (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed
 from helpers.memory import SavedTensorCounter, cuda_peak_bytes
 from helpers.model import build_model
 from helpers.recompute import apply_recompute
@@ -67,12 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, model in models.items():
             if device == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock_for(idx).mark()
             step(model)
-            if device == "cuda":
-                torch.cuda.synchronize()
             if i:
-                samples[name].append(time.perf_counter() - t0)
+                samples[name].append(elapsed(t0, clock_for(idx).mark()))
     med = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     print(f"model {args.size!r}, batch {args.batch}, seq {T}, device {device}, "
           f"median of {args.steps} steps")

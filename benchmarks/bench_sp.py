@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _args import at_least  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 
 
@@ -72,13 +73,13 @@ def _run(seq, heads, head_dim, steps, layout):
     for step in range(steps + 1):                   # step 0: warm-up
         for name, fn in (("sdpa", sdpa), ("ring", ring)):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clock_for(full[0]).mark()
             if name == "ring" or r.rank == 0:
                 (y, dy), saved[name] = _saved_bytes(fn)
                 y.backward(dy)
             dist.barrier()                          # every rank done: the slowest sets the time
             if step:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(elapsed(t0, clock_for(full[0]).mark()))
     return {"times": {k: statistics.median(v) for k, v in times.items()}, "saved": saved,
             "parts": _ring_parts(local[:3], steps, layout)}
 
@@ -105,11 +106,11 @@ def _ring_parts(qkv, steps, layout):
         for step in range(steps + 1):
             for name, fn in parts.items():
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = clock_for(q).mark()
                 fn()
                 dist.barrier()
                 if step:
-                    out[name].append(time.perf_counter() - t0)
+                    out[name].append(elapsed(t0, clock_for(q).mark()))
     return {k: statistics.median(v) for k, v in out.items()}
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 from helpers.model import GPTConfig, build_model  # noqa: E402
 
@@ -37,12 +38,12 @@ TARGET = 1.2  # our TP block's step time over DTensor TP's, at most
 
 
 def _step(block, x, dy):
-    t0 = time.perf_counter()
+    t0 = clock_for(x).mark()
     y = block(x)
     y.backward(dy)
     for p in block.parameters():
         p.grad = None
-    return time.perf_counter() - t0
+    return elapsed(t0, clock_for(x).mark())
 
 
 def _run(size, batch, seq, steps):

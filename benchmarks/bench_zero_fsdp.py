@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from _args import validate  # noqa: E402  (benchmarks/ is on sys.path)
+from helpers.clock import clock_for, elapsed  # noqa: E402
 from helpers import launch, rank_info  # noqa: E402
 from helpers.memory import model_state_bytes  # noqa: E402
 from helpers.model import build_model  # noqa: E402
@@ -97,11 +98,11 @@ def step_times(kinds, size, seq, steps):
         for k, (wrapped, opt, tl) in runs.items():
             if tl is not None:
                 tl.clear()
-            t0 = time.perf_counter()
+            t0 = clock_for(x).mark()
             wrapped(x, x)[1].backward()
             opt.step()
             opt.zero_grad()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(elapsed(t0, clock_for(x).mark()))
             if tl is not None:
                 exposed[k].append(tl.exposed_comm()["exposed"])
                 collectives[k] = sum(e["lane"] == "comm" for e in tl.events)  # this step's
