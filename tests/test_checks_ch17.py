@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checks_harness import ChapterChecks, Check, Wrong
+from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers.checks import ch17
 
 
@@ -138,6 +138,34 @@ def _save_no_manifest(directory, step, data):  # files durable and renamed, no m
     dist.barrier()
 
 
+def _save_with_replace_and_dir_fsync(directory, step, data):
+    """Another right save: os.replace for the commit, directories fsynced too, the
+    checksums gathered to rank 0 only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(directory, f"step{step:08d}")
+    tmp = final + ".partial"
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    name = f"rank{rank}.bin"
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    got = [None] * world if rank == 0 else None
+    dist.gather_object((name, hashlib.sha256(data).hexdigest()), got, dst=0)
+    if rank == 0:
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"step": step, "files": dict(got)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
 class TestChapter17(ChapterChecks):
     lab = "labs/17_checkpoint_resume_lab.ipynb"
     sol = "solutions/17_checkpoint_resume_solution.ipynb"
@@ -146,6 +174,10 @@ class TestChapter17(ChapterChecks):
         "resume_extras": Check(ch17.check_resume_extras, "capture_extras", "restore_extras"),
         "optimal_interval": Check(ch17.check_optimal_interval),
     }
+    right = [
+        Right("atomic_save", _save_with_replace_and_dir_fsync,
+              "os.replace, directories fsynced, gather_object to rank 0"),
+    ]
     wrong = [
         Wrong("atomic_save", _save_no_fsync, "no fsync of the data file", says="never fsynced"),
         Wrong("atomic_save", _save_in_place, "writes straight into the final directory",
@@ -175,4 +207,12 @@ class TestChapter17(ChapterChecks):
               says="optimal_interval"),
         Wrong("optimal_interval", lambda c, m: math.sqrt(c * m / 2),
               "the half interval forgotten", says="optimal_interval"),
+        Wrong("optimal_interval", lambda c, m: math.sqrt(2 * c / m), "C / M under the root",
+              says="optimal_interval"),
+        Wrong("optimal_interval", lambda c, m: round(math.sqrt(2 * c * m)),
+              "rounded to whole seconds", says="expected 1,138.42, got 1,138"),
+        Wrong("optimal_interval", lambda c, m: math.sqrt(2 * c * m) / 60,
+              "returns minutes", says="optimal_interval"),
+        Wrong("optimal_interval", lambda c, m: f"{math.sqrt(2 * c * m):.0f} s",
+              "returns a string", says="expected a number"),
     ]

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from checks_harness import ChapterChecks, Check, Wrong
+from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers import RankError, launch
 from helpers.checks import ch18
 from helpers.checks.ch18 import LR, STEPS, batch
@@ -34,6 +34,8 @@ class TestChapter18(ChapterChecks):
         *(Wrong("diagnosis", _naming(n, rank), f"bug {n}: names waiting rank {rank}",
                 says=f"bug {n}: you named rank {rank}") for n, rank in ((1, 0), (2, 1), (3, 2))),
         Wrong("diagnosis", lambda: {1: 2}, "one bug only", says="keys 1, 2, 3"),
+        Wrong("diagnosis", lambda: {1: [2], 2: [0], 3: [1]}, "ranks as the diff's lists",
+              says="one rank .an int."),
         *(Wrong(f"fix {n}", ch18.BROKEN[n], "the broken function itself",
                 says=f"fix {n} still fails") for n in (1, 2, 3)),
         Wrong("fix 1", sync_always, "syncs on every step", says="every rank must skip"),
@@ -130,9 +132,26 @@ def _diff_ranks_as_tuple(calls):
     return found and (found[0], tuple(found[1]))
 
 
+def _diff_by_columns(calls):
+    """Another right diff: pad every list with None, then read column by column."""
+    ranks = sorted(calls)
+    width = max((len(calls[r]) for r in ranks), default=0)
+    rows = {r: calls[r] + [None] * (width - len(calls[r])) for r in ranks}
+    for i in range(width):
+        made = {r: rows[r][i] for r in ranks if rows[r][i] is not None}
+        kinds = sorted(set(made.values()), key=lambda c: (-list(made.values()).count(c),
+                                                          min(r for r in made if made[r] == c)))
+        if len(kinds) > 1:
+            return i, [r for r in ranks if r in made and made[r] != kinds[0]]
+        if len(made) < len(ranks):
+            return i, [r for r in ranks if r not in made]
+    return None
+
+
 class TestChapter18Diff(ChapterChecks):
     lab, sol = TestChapter18.lab, TestChapter18.sol
     checks = {"first_disagreement": Check(ch18.check_first_disagreement)}
+    right = [Right("first_disagreement", _diff_by_columns, "padded columns, sorted by count")]
     wrong = [
         Wrong("first_disagreement", _diff_vs_rank0, "compares with rank 0",
               says="compare with the majority"),

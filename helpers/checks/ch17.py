@@ -86,7 +86,14 @@ def _bitwise(directory: str, capture, restore) -> dict:
 
 def check_resume_extras(capture, restore) -> None:
     """``capture(sampler) -> dict`` and ``restore(state, sampler)``: a resumed run on 2
-    ranks must end with exactly the weights of an uninterrupted one."""
+    ranks must end with exactly the weights of an uninterrupted one.
+
+    First in this process, one stream at a time (each named on failure), then bitwise on
+    2 ranks with dropout on. Catches: torch's generator not saved or not restored (dropout
+    masks), Python's or NumPy's generator forgotten, the sampler restarted at the
+    beginning of the epoch, a state that ``torch.load(weights_only=True)`` refuses (a
+    NumPy array, with advice), a non-dict from capture, and any exception from the
+    learner's code (as a CheckFailed naming the function)."""
     _in_process(capture, restore)
     with tempfile.TemporaryDirectory() as d:
         res = on_ranks(_bitwise, 2, d, capture, restore, what="the resume with your functions",
@@ -112,10 +119,18 @@ def check_resume_extras(capture, restore) -> None:
 
 
 def check_optimal_interval(optimal_interval) -> None:
-    """``optimal_interval(cost, mtbf)``: Young's sqrt(2 C M), any consistent unit."""
-    cases = [(60.0, 3 * 3600.0), (1.0, 1000.0), (300.0, 11_137.0)]
+    """``optimal_interval(cost, mtbf)``: Young's sqrt(2 C M), any consistent unit.
+
+    Catches: the factor 2 forgotten (sqrt(C M)) or put on the wrong side (sqrt(C M / 2)),
+    C / M or M / C under the root, a result rounded to whole seconds or minutes (the
+    cases are not perfect squares), a unit converted inside (minutes or hours returned
+    for seconds given: the cases use two scales), and a non-number returned."""
+    cases = [(60.0, 3 * 3600.0), (1.0, 1000.0), (300.0, 11_137.0), (0.5, 7.0)]
     for cost, mtbf in cases:
         got = attempt(optimal_interval, cost, mtbf, what="optimal_interval")
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise CheckFailed(f"optimal_interval({cost:g}, {mtbf:g}) returned {got!r}; "
+                              f"expected a number of seconds (a float)")
         want = math.sqrt(2 * cost * mtbf)
         # same formula, a few float roundings apart: 1e-12 relative
         expect_close(got, want, f"optimal_interval({cost:g}, {mtbf:g})", rel=1e-12)

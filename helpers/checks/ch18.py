@@ -214,12 +214,18 @@ def check_first_disagreement(first_disagreement) -> None:
 
 
 def check_diagnosis(diagnose) -> None:
-    """``diagnose()`` returns {bug number: the rank at fault} for bugs 1, 2, 3."""
+    """``diagnose()`` returns {bug number: the rank at fault} for bugs 1, 2, 3.
+
+    Catches: naming a waiting rank instead of the one whose call differs or that
+    stopped (each bug has one), a dict without all three bugs, and a rank given as a
+    list (``[2]``: what the diff returns, not the rank in it)."""
     got = attempt(diagnose, what="diagnose")
     if not isinstance(got, dict) or set(got) != set(BROKEN):
         raise CheckFailed(f"diagnose() must return a dict with keys 1, 2, 3 (bug -> rank), "
                           f"got {got!r}")
     for n, rank in sorted(got.items()):
+        if type(rank) is not int:
+            raise CheckFailed(f"bug {n}: the answer should be one rank (an int), got {rank!r}")
         if rank != FAULTY_RANK[n]:
             raise CheckFailed(
                 f"bug {n}: you named rank {rank}. Read the diff again: the rank at fault is the "
@@ -253,7 +259,13 @@ _WANT = {1: dict(skip={1}), 2: {}, 3: dict(steps=STEPS - 1)}
 
 def check_fixed(n: int, fixed) -> None:
     """Your fix of broken function ``n``: runs on 3 ranks without a hang or a mismatch,
-    and every rank ends with the reference weights."""
+    and every rank ends with the reference weights.
+
+    Catches: the broken function itself (the launch fails, with the recorder's diff),
+    a fix that still mismatches or hangs (10 s), a fix 1 that syncs every step (rank 2's
+    NaN reaches every rank) or lets only rank 2 skip, a fix 3 that pads the short shard
+    with zero gradients instead of stopping at the shortest shard, a rank returning
+    something other than its 8 weights."""
     from helpers.launch import RankError, launch
     if not callable(fixed):
         raise CheckFailed(f"pass your fixed training function, got {type(fixed).__name__}")
