@@ -7,9 +7,12 @@ return once the collective is *queued* on the GPU; a host clock read there
 measures the launch, a few microseconds, however long the transfer takes.
 
 The idiom this module rests on: ``wait()`` makes the *current stream* wait on
-the communication stream, and a Future runs its callbacks on streams
-synchronized the same way (torch 2.13, ``torch/futures/__init__.py``,
-``Future.wait`` and ``Future.then``). So a CUDA event recorded on the current
+the communication stream (PyTorch 2.13 docs, torch.distributed, "Synchronous
+and asynchronous collective operations": after ``wait()`` the output is safe
+to use on the current stream, the operation not necessarily complete), and a
+Future runs its callbacks on streams synchronized the same way (torch 2.13,
+``torch/futures/__init__.py``, ``Future.wait`` and ``Future.then``; its
+``add_done_callback`` behaves as ``then``). So a CUDA event recorded on the current
 stream right after ``work.wait()``, or inside a ``then`` callback, completes
 when the GPU has finished the collective (and everything queued on that stream
 before it). ``mark()`` records such an event; reading its time has to wait for
@@ -28,14 +31,16 @@ behind a synchronize) plus the event's GPU time since that origin. Ranks on
 one machine share ``perf_counter``, so their timelines line up as they do on
 CPU, within the origin's error (the synchronize's return, microseconds).
 
-On CPU, ``mark()`` is ``time.perf_counter()`` itself and a mark is a float:
-the numbers are what they were before this module existed.
+On CPU, ``mark()`` is ``time.perf_counter()`` itself and a mark is a float.
+On a GPU a mark taken while the stream is idle completes at once, so it also
+resolves to the host time it was taken: host-side delays (a slow data loader,
+a ``sleep``) show in GPU timelines as they do on CPU.
 
 How production differs: ProcessGroupNCCL can time each collective itself.
 With ``TORCH_NCCL_ENABLE_TIMING=1`` it records a start event for every
 collective next to its end event and computes the per-collective duration on
 the device (PyTorch 2.13 docs, "PYTORCH ProcessGroupNCCL Environment
-Variables"); the flight recorder and process-group hooks read it. That times
+Variables"; process-group hooks read it, pytorch/pytorch#108814). That times
 the kernel from start to end; the marks here time what a rank sees, from the
 moment it issued the call to the moment its stream could go on.
 """
