@@ -326,3 +326,36 @@ def test_untied_input_embedding_is_not_counted_as_flops():
     untied = ModelSpec(name="u", layers=4, hidden=64, heads=8, vocab=1000, seq=16)
     assert untied.total_params() == tied.total_params() + 1000 * 64
     assert flops_per_token(untied) == flops_per_token(tied)
+
+
+# ---------------------------------------------------------------------------
+# One layer's activations with the model's own shapes (SwiGLU, grouped-query attention)
+# ---------------------------------------------------------------------------
+
+def test_layer_activations_with_gpt_shapes_are_table_2():
+    from helpers.costs.memory import layer_activation_bytes
+    from helpers.memory import activation_bytes_per_layer
+    gpt = ModelSpec(name="gpt", layers=4, hidden=1024, heads=16, vocab=50304, seq=2048)
+    for tp in (1, 2, 8):
+        for sp in ((False, True) if tp > 1 else (False,)):
+            for rc in ("none", "selective", "full"):
+                ours = layer_activation_bytes(gpt, 2048, 2, tp, sp, rc)
+                table = activation_bytes_per_layer(2048, 2, 1024, 16, tp=tp,
+                                                   sequence_parallel=sp, recompute=rc)
+                assert ours == pytest.approx(table, rel=1e-12), (tp, sp, rc)
+
+
+def test_layer_activations_count_swiglu_and_grouped_kv():
+    """SwiGLU keeps 6 sbf instead of GeLU's 4 sbf; 8 of 128 key/value heads keep 4 sbh / 16
+    of K and V instead of 4 sbh: the differences, term by term, for Llama 3 405B's shapes."""
+    from helpers.costs.memory import layer_activation_bytes
+    llama = ModelSpec(name="405B", layers=126, hidden=16384, heads=128, vocab=128000,
+                      seq=8192, ffn=53248, kv_heads=8, gated_mlp=True)
+    as_gpt = ModelSpec(name="405B as GPT", layers=126, hidden=16384, heads=128, vocab=128000,
+                       seq=8192)
+    sbh = 8192 * 16384
+    diff = (layer_activation_bytes(llama, 8192, 1, 8, True, "selective")
+            - layer_activation_bytes(as_gpt, 8192, 1, 8, True, "selective"))
+    want = (6 * 53248 / 16384 - 16 + 4 * 8 / 128 - 4) * sbh / 8
+    assert diff == pytest.approx(want, rel=1e-12)
+    assert layer_activation_bytes(llama, 8192, 1, 8, True, "full") == 2 * sbh / 8

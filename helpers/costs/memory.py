@@ -12,6 +12,14 @@
                           first pipeline stage, seq / cp tokens, doubled in fp32
     gathered layers       ZeRO-3 (ch. 15): one layer all-gathered in the compute
                           dtype, plus the next one when the gather is prefetched
+    layer_activation_bytes  one layer of the model's own shapes: Korthikanti's
+                          accounting with the MLP's width and gating (SwiGLU keeps
+                          gate, up and their product: 6 sbf; a GeLU MLP 4 sbf) and
+                          grouped-query K and V (kv_heads / heads of 4 sbh). For a
+                          GPT (4h GeLU, no grouping) it is Table 2's count; the
+                          planner and chapter 19's estimate still use the GPT count
+                          (``activations``), this function says by how much a
+                          SwiGLU / GQA layer differs
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ if TYPE_CHECKING:
     from helpers.modelspec import ModelSpec
 
 __all__ = ["MIXED_ADAM", "bytes_per_param", "wire_bytes", "stage_layers", "model_state",
-           "activations", "gathered_layers"]
+           "activations", "gathered_layers", "layer_activation_bytes"]
 
 MIXED_ADAM = (2.0, 2.0, 12.0)   # weights, gradients, optimizer state: bytes per parameter
 
@@ -108,3 +116,26 @@ def gathered_layers(model: "ModelSpec", tp: int, units: int, precision: str = "b
     """ZeRO-3's all-gathered weights (chapter 15): ``units`` layers (1, or 2 when the
     next one is prefetched) of 1/tp of a layer each, in the compute dtype."""
     return units * (model.layer_params() / tp * wire_bytes(precision))
+
+
+def layer_activation_bytes(model: "ModelSpec", seq: int, micro_batch: int, tp: int,
+                           sequence_parallel: bool, recompute: str) -> float:
+    """Bytes one layer of ``model`` keeps for backward, in 16 bits, with its own MLP and
+    attention shapes (Korthikanti et al. 2022, sec. 4.1-4.2 and 5, term by term).
+
+    Outside the tensor-parallel regions, 10 sbh: two norm inputs (4), two residual
+    dropout masks (2, kept as in the paper), the QKV and first-MLP matmul inputs (4);
+    split by t only with sequence parallelism. Inside, split by t: Q (2 sbh), K and V
+    (4 sbh x kv_heads / heads), the output projection's input (2 sbh), the MLP's
+    inner tensors (GeLU: its input and output, 4 sbf; SwiGLU: gate, up and their
+    product, 6 sbf) and the attention scores, softmax and dropout, 5 a s^2 b (none
+    with selective recompute, which re-runs them). Full recompute keeps the layer
+    input, 2 sbh (/t with SP). GPT shapes (f = 4h, no grouping) give Table 2."""
+    s, b, h, a = seq, micro_batch, model.hidden, model.heads
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (tp if sequence_parallel else 1)
+    g = model.n_kv_heads / a
+    mlp = (6 if model.gated_mlp else 4) * s * b * model.ffn_hidden
+    inner = (2 + 4 * g + 2) * sbh + mlp + (0 if recompute == "selective" else 5 * a * s * s * b)
+    return 10 * sbh / (tp if sequence_parallel else 1) + inner / tp
