@@ -2,6 +2,10 @@
 
 import copy
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch09
 from helpers.tp import ColumnParallelLinear, ParallelSelfAttention, RowParallelLinear
@@ -27,12 +31,71 @@ def _mlp_left_dense(block, group=None):
     return tp
 
 
+def _loss(logits, targets, group=None, ignore_index=-100, *, shift="global", offset=True,
+          drop_ignored=True):
+    """The vocab-parallel loss with one of its steps varied, for the wrong answers."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = logits.size(-1)
+    start = r * n if offset else 0
+    m = logits.max(-1).values.clone()
+    if shift == "global":
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    elif shift == "none":
+        m = torch.zeros_like(m)
+    shifted = logits - m[:, None]
+    s = shifted.exp().sum(-1)
+    dist.all_reduce(s, group=group)
+    local = targets - start
+    mine = (local >= 0) & (local < n) & (targets != ignore_index)
+    z = torch.zeros_like(s)
+    z[mine] = shifted[mine, local[mine]]
+    dist.all_reduce(z, group=group)
+    loss = s.log() - z
+    return loss[targets != ignore_index].mean() if drop_ignored else loss.mean()
+
+
+def _loss_no_shift(logits, targets, group=None, ignore_index=-100):
+    # Plausible mistake: exp of the raw logits (overflows near 1000).
+    return _loss(logits, targets, group, ignore_index, shift="none")
+
+
+def _loss_local_max(logits, targets, group=None, ignore_index=-100):
+    # Plausible mistake: each rank shifts by its own max.
+    return _loss(logits, targets, group, ignore_index, shift="local")
+
+
+def _loss_global_id(logits, targets, group=None, ignore_index=-100):
+    # Plausible mistake: the target looked up at its global id on every rank's slice.
+    return _loss(logits, targets, group, ignore_index, offset=False)
+
+
+def _loss_counts_ignored(logits, targets, group=None, ignore_index=-100):
+    # Plausible mistake: ignored tokens kept in the mean.
+    return _loss(logits, targets, group, ignore_index, drop_ignored=False)
+
+
+def _loss_gathered(logits, targets, group=None, ignore_index=-100):
+    # Plausible shortcut: gather the whole vocabulary, then the dense loss (right value).
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return F.cross_entropy(torch.cat(parts, -1), targets, ignore_index=ignore_index)
+
+
 class TestChapter09(ChapterChecks):
     lab = "labs/09_tp_in_transformer_lab.ipynb"
     sol = "solutions/09_tp_in_transformer_solution.ipynb"
-    checks = {"parallelize_block": Check(ch09.check_parallelize_block)}
+    checks = {"parallelize_block": Check(ch09.check_parallelize_block),
+              "vocab_parallel_loss": Check(ch09.check_vocab_parallel_loss, slow=True)}
     wrong = [
         Wrong("parallelize_block", _qkv_split_contiguously, "q, k, v split contiguously",
               says="split by heads"),
         Wrong("parallelize_block", _mlp_left_dense, "the MLP left dense", says="still dense"),
+        Wrong("vocab_parallel_loss", _loss_no_shift, "no max subtracted", says="overflows"),
+        Wrong("vocab_parallel_loss", _loss_local_max, "each rank's own max", says="global one"),
+        Wrong("vocab_parallel_loss", _loss_global_id, "target at its global id",
+              says="slice's start"),
+        Wrong("vocab_parallel_loss", _loss_counts_ignored, "ignored tokens in the mean",
+              says="-100"),
+        Wrong("vocab_parallel_loss", _loss_gathered, "all-gather then the dense loss",
+              says="all_gather"),
     ]

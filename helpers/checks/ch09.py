@@ -1,4 +1,4 @@
-"""Checks for chapter 09: parallelize one transformer block.
+"""Checks for chapter 09: parallelize one transformer block; the vocab-parallel loss.
 
 The learner writes ``parallelize_block(block, group)``, returning a copy of a
 course ``Block`` whose attention and MLP are split over ``group`` with
@@ -71,7 +71,10 @@ def _run_block(parallelize_block):
 
 
 def check_parallelize_block(parallelize_block) -> None:
-    """2 ranks: a block with 4 heads, hidden 16, MLP 64, float64, vs the dense block."""
+    """2 ranks: a block with 4 heads, hidden 16, MLP 64, float64, vs the dense block.
+    Mistakes it catches: q, k, v cut contiguously instead of by heads; a layer left
+    dense (more parameter bytes than the split); the dense block modified; extra or
+    missing all-reduces."""
     from helpers.model import Block, GPTConfig
     res = on_ranks(_run_block, 2, parallelize_block, what="parallelize_block",
                    probe=lambda: parallelize_block(Block(GPTConfig()), None))
@@ -102,3 +105,86 @@ def check_parallelize_block(parallelize_block) -> None:
                               f"(one g and one f each for attention and MLP)")
     passed("the split block equals the dense block on 2 ranks (output, input and weight "
            "gradients, float64), holds its share of the weights, and issues 2 + 2 all-reduces")
+
+
+# ---- exercise 2: the vocab-parallel cross-entropy ------------------------------------------
+
+LOSS_WORLDS = (3, 4)     # 12 vocabulary entries split 4 or 3 per rank
+LOSS_REL = 1e-9          # float64; the shifted log-sum-exp differs from torch's by rounding
+_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather",
+            "broadcast", "all_to_all", "all_to_all_single")
+
+
+def _run_loss(vocab_parallel_loss):
+    """On every rank: this rank's slice of the logits, the learner's loss (gathers
+    recorded and passed through), the reference on the whole logits."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from helpers import rank_info
+    t, r = rank_info().world_size, rank_info().rank
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, 12, dtype=torch.float64, generator=gen)
+    logits[1] += 1000.0          # exp overflows float64 (above ~709) unless shifted
+    logits[2, 11] = 900.0        # the largest logit on the last rank's slice only
+    logits[5] -= 1000.0          # underflows to 0 unless shifted
+    targets = torch.tensor([3, 11, 0, -100, 7, 11, -100, 5])
+    want = F.cross_entropy(logits, targets, ignore_index=-100)
+    n = 12 // t
+    shard = logits[:, r * n:(r + 1) * n].clone()
+    calls, saved = [], {}
+    for name in _GATHERS:
+        if hasattr(dist, name):
+            saved[name] = getattr(dist, name)
+            setattr(dist, name, (lambda nm, fn: lambda *a, **k: (calls.append(nm), fn(*a, **k))[1])
+                    (name, saved[name]))
+    try:
+        got = vocab_parallel_loss(shard, targets.clone(), dist.group.WORLD)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return got, want, calls
+
+
+def check_vocab_parallel_loss(vocab_parallel_loss) -> None:
+    """On 3 and 4 ranks, 8 tokens over a 12-entry vocabulary in float64, against
+    ``F.cross_entropy(whole logits, targets, ignore_index=-100)``. Mistakes it catches:
+
+    * no max subtracted (a row of logits near 1000 overflows exp: inf or nan);
+    * each rank subtracting its own max (the shifts disagree: wrong sum);
+    * the target's logit looked up with the global id instead of the id minus this
+      rank's first vocabulary entry (or on every rank instead of its owner's);
+    * ignored tokens (-100) counted in the mean, or their logit looked up;
+    * gathering the whole logits (all-gather) and computing the dense loss: refused,
+      since the exercise is to never build the whole vocabulary on one rank;
+    * a result that is not a scalar tensor, or differs between ranks.
+    """
+    probe_logits = torch.zeros(2, 4, dtype=torch.float64)
+    probe_targets = torch.zeros(2, dtype=torch.long)
+    for world in LOSS_WORLDS:
+        res = on_ranks(_run_loss, world, vocab_parallel_loss,
+                       what=f"vocab_parallel_loss on {world} ranks",
+                       probe=lambda: vocab_parallel_loss(probe_logits, probe_targets, None))
+        for rank, (got, want, calls) in enumerate(res):
+            case = f"{world} ranks, rank {rank}"
+            if calls:
+                raise CheckFailed(f"{case}: vocab_parallel_loss called {sorted(set(calls))}: "
+                                  f"that rebuilds the whole vocabulary on a rank. Reduce the "
+                                  f"three per-token numbers instead (max, sum of exp, the "
+                                  f"target's logit) with all_reduce")
+            if not isinstance(got, torch.Tensor) or got.numel() != 1:
+                raise CheckFailed(f"{case}: return the mean loss as a one-element tensor, got "
+                                  f"{got!r}")
+            if not torch.isfinite(got).all():
+                raise CheckFailed(f"{case}: the loss is {got.item()}: a row of logits near "
+                                  f"1000 overflows exp. Subtract the max over the *whole* "
+                                  f"vocabulary (all-reduce with MAX) before exp")
+            if abs(got.item() - want.item()) > LOSS_REL * max(abs(want.item()), 1.0):
+                raise CheckFailed(
+                    f"{case}: loss {got.item():.12g}, expected {want.item():.12g}. Check: the "
+                    f"max is the global one (the same shift on every rank); the target's "
+                    f"logit comes from the rank whose slice holds it, at id minus that "
+                    f"slice's start, and is summed over ranks; tokens with target -100 are "
+                    f"left out of the mean")
+    passed(f"vocab-parallel cross-entropy equals F.cross_entropy on {' and '.join(map(str, LOSS_WORLDS))}"
+           f" ranks, with logits near ±1000 and ignored tokens, without gathering the logits")
