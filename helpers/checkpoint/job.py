@@ -96,10 +96,16 @@ def main(argv=None) -> None:
 def _init_group(attempt: int, world: int) -> None:
     """The gloo group on the agent's store, under a key prefix of its own per attempt.
 
-    Without the prefix a restarted rank could read the address that the killed
-    attempt's rank 0 published (seen: "connectFullMesh ... Connection refused",
-    and the restart failed again); each attempt's ranks now rendezvous only
-    with each other."""
+    Why not ``init_process_group("gloo")`` (``env://``): in torch 2.13 torchrun's
+    c10d rendezvous keeps one TCP store for every restart
+    (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``: the store is
+    shared unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and ``env://`` puts
+    no per-attempt prefix on it (``torch/distributed/rendezvous.py``,
+    ``_create_c10d_store``: its comment still assumes a new store per retry). A
+    restarted rank could then read the address that the killed attempt's rank 0
+    published (seen: "connectFullMesh ... Connection refused", and the restart
+    failed again, so the job finished only on its second restart); each
+    attempt's ranks now rendezvous only with each other."""
     import datetime
 
     import torch.distributed as dist
