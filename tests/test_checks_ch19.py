@@ -56,6 +56,37 @@ def _memory_16_bytes(plan, model):   # 2 + 2 + 12 whatever the plan's precision
     return states + act
 
 
+def _ring(nics="share", counts="min", factor="right", latency="split"):
+    """The ring model with one deliberate mistake (the keyword names it)."""
+    def ring_seconds(topo, collective, nbytes, size, stride=1):
+        if size == 1 or nbytes == 0:
+            return 0.0
+        per_node = {}
+        for i in range(size):
+            per_node[i * stride // topo.gpus_per_node] = per_node.get(
+                i * stride // topo.gpus_per_node, 0) + 1
+        n = len(per_node)
+        m = min(per_node.values()) if counts == "min" else max(per_node.values())
+        steps = 2 * (size - 1) if collective == "all_reduce" else size - 1
+        inter = 2 * (n - 1) if collective == "all_reduce" else n - 1
+        if latency == "split":
+            lat = (steps - inter) * topo.intra.latency + inter * topo.inter.latency
+        elif latency == "all network":
+            lat = steps * (topo.inter.latency if n > 1 else topo.intra.latency)
+        else:
+            lat = 0.0
+        if n == 1:
+            busbw = topo.intra.bandwidth
+        else:
+            share = {"share": topo.nics_per_node * m / topo.gpus_per_node, "one": 1,
+                     "all": topo.nics_per_node}[nics]
+            bw = topo.inter.bandwidth * share
+            busbw = bw if max(per_node.values()) == 1 else min(topo.intra.bandwidth, bw)
+        f = steps / size if factor == "right" else 2 * (size - 1) / size
+        return lat + f * nbytes / busbw
+    return ring_seconds
+
+
 def _memory(forget_optimizer=False, forget_activations=False):
     def per_gpu_memory(plan, model):
         w, g, o = bytes_per_param(plan)
@@ -80,6 +111,7 @@ class TestChapter19(ChapterChecks):
     checks = {
         "translate": Check(ch19.check_translate),
         "per_gpu_memory": Check(ch19.check_per_gpu_memory),
+        "ring_time": Check(ch19.check_ring_time, "ring_seconds"),
     }
     wrong = [
         Wrong("translate", _translate_dp_without_pp, "dp forgets the pipeline's GPUs",
@@ -92,6 +124,18 @@ class TestChapter19(ChapterChecks):
               "fp32 main gradients for fp16 too", says="main_grads_fp32 should be False"),
         Wrong("per_gpu_memory", _memory_16_bytes, "16 bytes per parameter whatever the plan",
               says="gradients counted at 2 bytes"),
+        Wrong("ring_time", _ring(nics="one"), "flat ring through one NIC",
+              says="over 16 GPUs 2 apart"),
+        Wrong("ring_time", _ring(nics="all"), "every NIC of the node for any group",
+              says="over 4 GPUs 8 apart"),
+        Wrong("ring_time", _ring(counts="max"), "most GPUs per node of an uneven group",
+              says="over 20 GPUs 1 apart"),
+        Wrong("ring_time", _ring(factor="all-reduce's"), "2(P-1)/P for every collective",
+              says="reduce_scatter"),
+        Wrong("ring_time", _ring(latency="all network"), "every step a network latency",
+              says="expected .* ms"),
+        Wrong("ring_time", _ring(latency="none"), "no latency", says="expected .* ms"),
+        Wrong("ring_time", lambda *a: None, "returns None", says="a number"),
         Wrong("per_gpu_memory", _memory(forget_optimizer=True), "forgets the optimizer state",
               says="optimizer state is missing"),
         Wrong("per_gpu_memory", _memory(forget_activations=True), "forgets the activations",
@@ -100,4 +144,5 @@ class TestChapter19(ChapterChecks):
     ]
     right = [
         Right("per_gpu_memory", _memory(), "the reference shape of the answer"),
+        Right("ring_time", _ring(), "the mistake-free version of the table's ring"),
     ]

@@ -1,4 +1,5 @@
-"""Checks for lab 19: translate Megatron-LM flags into a Plan; predict per-GPU memory."""
+"""Checks for lab 19: translate Megatron-LM flags into a Plan; predict per-GPU memory;
+time one collective of a parallel axis as NCCL prices its ring."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from helpers.frameworks import Cluster, Plan, estimate, from_megatron
 from helpers.frameworks.examples import MODELS
 from helpers.memory import GB
 
-__all__ = ["check_translate", "check_per_gpu_memory", "TRANSLATE_FIELDS"]
+__all__ = ["check_translate", "check_per_gpu_memory", "check_ring_time", "TRANSLATE_FIELDS"]
 
 TRANSLATE_FIELDS = ("dp", "tp", "pp", "zero_stage", "sequence_parallel", "recompute",
                     "micro_batch", "grad_accum", "global_batch", "precision",
@@ -123,3 +124,52 @@ def check_per_gpu_memory(learner_fn) -> None:
             hint = " (is the model state split over tp x pp and sharded by the ZeRO stage?)"
         raise CheckFailed(f"{what}: expected {want / GB:,.3f} GB, got {got / GB:,.3f} GB{hint}")
     passed("per-GPU memory predicted for 4 plans (GPT-3 175B, Llama 2 70B) as estimate() does")
+
+
+# (cluster, collective, MB, group size, stride): each placement is there for a mistake
+def _ring_cases():
+    from helpers.topology import a100_cluster, h100_cluster, pcie_cluster
+    h100, a100, pcie = h100_cluster(4), a100_cluster(3), pcie_cluster(4)
+    return [
+        (h100, "all_reduce", 64, 8, 1),        # one node: NVLink only, no network step
+        (h100, "reduce_scatter", 64, 4, 8),    # one GPU per node (DP over TP 8): one NIC
+        (h100, "all_gather", 64, 16, 2),       # 4 GPUs per node: half the node's NICs
+        (h100, "all_reduce", 64, 16, 1),       # 2 whole nodes: all 8 NICs, min with NVLink
+        (a100, "reduce_scatter", 48, 20, 1),   # 8, 8, 4 GPUs per node: the 4 limit it
+        (a100, "all_reduce", 48, 3, 8),        # an odd group, one GPU on each of 3 nodes
+        (pcie, "all_gather", 32, 4, 8),        # one NIC per node shared by its 8 GPUs
+        (pcie, "all_reduce", 1e-6, 32, 1),     # 1 byte: almost all latency
+    ]
+
+
+def check_ring_time(ring_seconds) -> None:
+    """``ring_seconds(topo, collective, nbytes, size, stride)`` -> seconds of one NCCL ring
+    collective on the group {0, stride, ..., (size-1) stride}, against
+    ``helpers.costs.network.ring_time`` (NCCL's tuning.cc model, one ring per NIC).
+
+    Mistakes it is built to catch (one placement each in ``_ring_cases``): the flat
+    ring through one NIC whatever the placement (a packed group owns all the node's
+    NICs); every NIC of the node for a strided group (each GPU has 1/g of them, one on
+    a DGX, 1/8 on a one-NIC PCIe node); the largest per-node count of an uneven group
+    instead of the smallest; the all-reduce's 2(P-1)/P for reduce-scatter and
+    all-gather; every ring step charged a network latency (only 2(n-1), or n-1, wait
+    for one), or none."""
+    from helpers.costs.network import ring_time
+
+    for topo, coll, mb, size, stride in _ring_cases():
+        nbytes = mb * 1e6
+        case = (f"{coll} of {nbytes:,.0f} bytes over {size} GPUs {stride} apart on "
+                f"{topo.name}")
+        got = attempt(ring_seconds, topo, coll, nbytes, size, stride, what=case)
+        want = ring_time(topo, coll, nbytes, size, stride)
+        try:
+            ok = abs(float(got) - want) <= 1e-9 * want    # the same formula, another order
+        except (TypeError, ValueError):
+            raise CheckFailed(f"{case}: return seconds as a number, got {got!r}") from None
+        if not ok:
+            raise CheckFailed(f"{case}: expected {want * 1e3:.4f} ms, got {float(got) * 1e3:.4f} "
+                              f"ms. Which GPUs of the group share a node decides the NICs "
+                              f"its ring owns (k m / g); only the ring's steps that leave a "
+                              f"node wait for a network latency.")
+    passed(f"ring time as NCCL prices it on {len(_ring_cases())} placements (one node, strided, "
+           f"packed, uneven, odd, one-NIC nodes, latency-bound)")
