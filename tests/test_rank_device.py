@@ -50,10 +50,6 @@ FACTORIES = {"randn", "rand", "randint", "randperm", "zeros", "ones", "empty", "
 # rank's device right now. Each owner deletes its chapter's entry when its
 # notebooks pass; the dict must be empty when that work is done.
 TEMPORARY_ALLOW_LIST: dict[str, str] = {
-    "07_nccl_topology": "chapter 07's owner",
-    "08_tensor_parallel_basics": "chapter 08's owner",
-    "09_tp_in_transformer": "chapter 09's owner",
-    "10_sequence_parallel": "chapter 10's owner",
 }
 
 
