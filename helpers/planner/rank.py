@@ -97,8 +97,8 @@ class Ranking:
         lines.append(f"  memory per GPU {e.memory_total / GB:6.1f} GB of {self.gpu.memory / GB:g}:")
         for t in MEMORY_TERMS:
             lines.append(f"    {t:<12}{e.memory[t] / GB:8.2f} GB   (ch. {CHAPTER[t]})")
-        lines.append(f"  step time {e.step_time:.3f} s (MFU {e.mfu:.1%} at an assumed "
-                     f"{self.mfu:.0%} for the compute alone):")
+        lines.append(f"  step time {e.step_time:.3f} s (MFU {e.mfu:.1%}, model FLOPs; the "
+                     f"matmuls assumed at {self.mfu:.0%} of peak on the FLOPs executed):")
         for t in TERMS:
             if e.time[t] or t in ("compute", "bubble", "dp_comm"):
                 share = e.time[t] / e.step_time
