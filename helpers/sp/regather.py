@@ -5,10 +5,10 @@ What
 Under sequence parallelism (``helpers.sp.megatron``) the column-parallel
 layers of a block (QKV and the MLP's first layer) read the *gathered*
 LayerNorm output, (B, T, h) on every rank. A plain ``F.linear`` on it saves
-that gathered tensor for the weight gradient, so each rank keeps 2 x sbh
-values per layer that are not divided by t, and the block's saved activations
-are sbh (4 + 30/t) x 2 bytes-ish instead of Korthikanti et al.'s 34 sbh / t
-(2022, sec. 4.2.2: every activation of the block divided by t).
+that gathered tensor for the weight gradient, so each rank keeps 2 sbh values
+per layer that are not divided by t: in Korthikanti et al.'s units (2022,
+sec. 4.2.2, bytes at 16 bits) sbh (4 + 30/t) instead of their 34 sbh / t, in
+which every activation of the block is divided by t.
 
 Megatron-LM saves only this rank's shard, (B, T/t, h), and all-gathers it a
 second time in backward, just before the weight-gradient GEMM
