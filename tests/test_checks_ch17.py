@@ -122,6 +122,30 @@ def _save_md5(d, s, b):
     _save(d, s, b, digest=lambda data: hashlib.md5(data).hexdigest())
 
 
+def _save_three_ranks(directory, step, data):
+    """Gathers into a list sized for the 3 ranks the first run uses."""
+    rank = dist.get_rank()
+    final = os.path.join(directory, f"step{step:08d}")
+    tmp = final + ".partial"
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    name = f"rank{rank}.bin"
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    digests = [None] * 3
+    dist.all_gather_object(digests, (name, hashlib.sha256(data).hexdigest()))
+    if rank == 0:
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"step": step, "files": dict(digests)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+    dist.barrier()
+
+
 def _save_no_manifest(directory, step, data):  # files durable and renamed, no manifest
     rank = dist.get_rank()
     final = os.path.join(directory, f"step{step:08d}")
@@ -194,6 +218,7 @@ class TestChapter17(ChapterChecks):
               says="returned before the checkpoint was committed"),
         Wrong("atomic_save", _save_md5, "md5 instead of sha256", says="sha256"),
         Wrong("atomic_save", _save_no_manifest, "no manifest at all", says="no manifest.json"),
+        Wrong("atomic_save", _save_three_ranks, "world size 3 written in", says="on 4 ranks"),
         Wrong("resume_extras", {"capture_extras": _capture_all,
                                 "restore_extras": _restore_without_torch},
               "forgets the torch RNG", says="torch .dropout masks. generator"),

@@ -140,7 +140,8 @@ def check_optimal_interval(optimal_interval) -> None:
 
 # -- the atomic save ---------------------------------------------------------------------
 
-_SAVE_WORLD = 3
+_SAVE_WORLD = 3  # run 1; run 2 (the kill) uses one more rank, so no world size is baked in
+_KILL_WORLD = 4
 
 
 def _payload(rank: int, step: int) -> bytes:
@@ -273,8 +274,8 @@ def check_atomic_save(atomic_save) -> None:
     rename by every rank, writing straight into the final directory, a rank that skips
     fsync, a manifest that lists only rank 0's file or a checksum other than sha256 of the
     bytes, a rename before the manifest is fsynced, ranks that return before the commit.
-    Run 2 (3 ranks: step 1 saved, then rank 1 SIGKILLed right after its step-2 file is
-    fsynced) catches: a ``step00000002`` that exists though rank 1 never finished, and a
+    Run 2 (4 ranks: step 1 saved, then rank 1 SIGKILLed right after its step-2 file is
+    fsynced) catches: a world size written into the code (3 in run 1, 4 here), a ``step00000002`` that exists though rank 1 never finished, and a
     manifest written before every rank's file was durable.
     """
     import tempfile
@@ -288,17 +289,21 @@ def check_atomic_save(atomic_save) -> None:
             if "not implemented" in str(exc):
                 raise
         results = on_ranks(_traced_save, _SAVE_WORLD, d, 1, atomic_save, None, 0.3,
-                           what="atomic_save", timeout=30)
+                           what=f"atomic_save on {_SAVE_WORLD} ranks", timeout=30)
         problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _SAVE_WORLD)
         if problem:
             raise CheckFailed(f"after atomic_save(directory, 1, data) on {_SAVE_WORLD} ranks: "
                               f"{problem}")
         _check_order(results, d, 1)
     with tempfile.TemporaryDirectory() as d:
-        on_ranks(_traced_save, _SAVE_WORLD, d, 1, atomic_save, None, 0.0, what="atomic_save",
-                 timeout=30)
+        on_ranks(_traced_save, _KILL_WORLD, d, 1, atomic_save, None, 0.0,
+                 what=f"atomic_save on {_KILL_WORLD} ranks", timeout=30)
+        problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _KILL_WORLD)
+        if problem:
+            raise CheckFailed(f"after atomic_save(directory, 1, data) on {_KILL_WORLD} ranks: "
+                              f"{problem}")
         try:
-            launch(_traced_save, _SAVE_WORLD, d, 2, atomic_save, 1, 0.0, timeout=20)
+            launch(_traced_save, _KILL_WORLD, d, 2, atomic_save, 1, 0.0, timeout=20)
         except RankError:
             pass  # rank 1 was killed: the launch fails, as the job would
         else:
@@ -316,9 +321,9 @@ def check_atomic_save(atomic_save) -> None:
                               "step00000002.partial already holds a manifest: the manifest "
                               "must come after every rank's file is durable (it is the "
                               "commit marker where there is no atomic rename)")
-        problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _SAVE_WORLD)
+        problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _KILL_WORLD)
         if problem:
             raise CheckFailed(f"after the killed step-2 save, step 1 is damaged: {problem}")
-    passed(f"atomic_save on {_SAVE_WORLD} ranks: every file fsynced, the manifest fsynced, "
-           f"then one rename; with rank 1 killed mid-save, step 2 never appeared and step 1 "
-           f"stayed intact")
+    passed(f"atomic_save on {_SAVE_WORLD} and {_KILL_WORLD} ranks: every file fsynced, the "
+           f"manifest fsynced, then one rename; with rank 1 killed mid-save, step 2 never "
+           f"appeared and step 1 stayed intact")
