@@ -2,6 +2,7 @@
 
 from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers.checks import ch19
+from helpers.costs import activations
 from helpers.frameworks import Plan
 from helpers.frameworks.estimate import bytes_per_param
 from helpers.memory import activation_bytes_model, model_state_bytes
@@ -49,6 +50,17 @@ def _scaling(flags):
 def _memory_16_bytes(plan, model):   # 2 + 2 + 12 whatever the plan's precision
     states = model_state_bytes(model.total_params() / (plan.tp * plan.pp),
                                dp=plan.shard_ranks, zero_stage=plan.zero_stage).total
+    act = activations(model, model.seq, plan.micro_batch, plan.tp, plan.pp,
+                      plan.sequence_parallel, plan.recompute, plan.vpp, plan.precision,
+                      own_shapes=True)
+    return states + act
+
+
+def _memory_gpt_layers(plan, model):   # every layer counted as a GPT layer
+    w, g, o = bytes_per_param(plan)
+    states = model_state_bytes(model.total_params() / (plan.tp * plan.pp),
+                               dp=plan.shard_ranks, zero_stage=plan.zero_stage,
+                               param_bytes=w, grad_bytes=g, optimizer_bytes=o).total
     act = activation_bytes_model(model.seq, plan.micro_batch, model.hidden, model.heads,
                                  model.layers, tp=plan.tp, pp=plan.pp,
                                  sequence_parallel=plan.sequence_parallel,
@@ -94,10 +106,9 @@ def _memory(forget_optimizer=False, forget_activations=False):
                                    dp=plan.shard_ranks, zero_stage=plan.zero_stage,
                                    param_bytes=w, grad_bytes=g,
                                    optimizer_bytes=0 if forget_optimizer else o).total
-        act = activation_bytes_model(model.seq, plan.micro_batch, model.hidden, model.heads,
-                                     model.layers, tp=plan.tp, pp=plan.pp,
-                                     sequence_parallel=plan.sequence_parallel,
-                                     recompute=plan.recompute, vocab=model.vocab)
+        act = activations(model, model.seq, plan.micro_batch, plan.tp, plan.pp,
+                          plan.sequence_parallel, plan.recompute, plan.vpp, plan.precision,
+                          own_shapes=True)
         return states + (0 if forget_activations else act)
     return per_gpu_memory
 
@@ -122,6 +133,8 @@ class TestChapter19(ChapterChecks):
               "bf16 gradients in bf16 (4 + 12/d)", says="main_grads_fp32 should be True"),
         Wrong("translate", _translate(lambda f: (_fmt(f), _fmt(f) != "fp32", _scaling(f))),
               "fp32 main gradients for fp16 too", says="main_grads_fp32 should be False"),
+        Wrong("per_gpu_memory", _memory_gpt_layers, "a GPT layer's activations for Llama 2",
+              says="SwiGLU"),
         Wrong("per_gpu_memory", _memory_16_bytes, "16 bytes per parameter whatever the plan",
               says="gradients counted at 2 bytes"),
         Wrong("ring_time", _ring(nics="one"), "flat ring through one NIC",

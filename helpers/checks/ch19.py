@@ -91,6 +91,12 @@ def _memory_cases():
                 sequence_parallel=True), llama, Cluster.a100(8))
 
 
+def _gpt_layer_activations(plan, model) -> float:
+    from helpers.costs import activations
+    return activations(model, model.seq, plan.micro_batch, plan.tp, plan.pp,
+                       plan.sequence_parallel, plan.recompute, plan.vpp, plan.precision)
+
+
 def check_per_gpu_memory(learner_fn) -> None:
     """``learner_fn(plan, model) -> bytes`` on the busiest GPU: weights + gradients +
     optimizer state (after tp x pp splitting and ZeRO sharding) + activations.
@@ -98,7 +104,8 @@ def check_per_gpu_memory(learner_fn) -> None:
     Mistakes it is built to catch: the optimizer state or the activations left out;
     the model state not split over tp x pp; 16 bytes per parameter whatever the plan
     (the GPT-3 plans keep fp32 main gradients: 2 + 4 + 12); ZeRO ignored (the ZeRO-1
-    and ZeRO-2 plans)."""
+    and ZeRO-2 plans); Llama 2's layers counted as GPT layers (a 4h GeLU MLP and a
+    key/value pair per head instead of SwiGLU 3.5h and 8 key/value heads)."""
     for what, plan, model, cluster in _memory_cases():
         est = estimate(plan, model, cluster)
         want = est.memory_total
@@ -116,6 +123,11 @@ def check_per_gpu_memory(learner_fn) -> None:
         if two_byte_grads is not None and abs(got - two_byte_grads) <= 1e-6 * want:
             hint = (" (gradients counted at 2 bytes: this plan keeps fp32 main gradients, "
                     "4 bytes each; bytes_per_param(plan) has them)")
+        elif abs(got - (want - parts["activations"] + _gpt_layer_activations(plan, model))) \
+                <= 1e-9 * want and model.gated_mlp:
+            hint = (" (the activations counted as GPT layers: this model's MLP is SwiGLU, "
+                    "with its own width, and its keys and values have fewer heads: "
+                    "own_shapes=True)")
         elif abs(got - (want - parts["optimizer state"])) <= 1e-6 * want:
             hint = " (the optimizer state is missing: fp32 master weights + Adam m and v)"
         elif abs(got - (want - parts["activations"])) <= 1e-6 * want:

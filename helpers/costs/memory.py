@@ -17,9 +17,8 @@
                           gate, up and their product: 6 sbf; a GeLU MLP 4 sbf) and
                           grouped-query K and V (kv_heads / heads of 4 sbh). For a
                           GPT (4h GeLU, no grouping) it is Table 2's count; the
-                          planner and chapter 19's estimate still use the GPT count
-                          (``activations``), this function says by how much a
-                          SwiGLU / GQA layer differs
+                          planner and chapter 19's estimate count every layer this
+                          way (``activations(..., own_shapes=True)``)
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from helpers.memory import activation_bytes_model, model_state_bytes
+from helpers.memory import (activation_bytes_model, activation_bytes_per_layer,
+                            model_state_bytes)
 
 if TYPE_CHECKING:
     from helpers.modelspec import ModelSpec
@@ -99,16 +99,26 @@ def model_state(model: "ModelSpec", model_parallel: int, shard: int, zero: int, 
 @functools.lru_cache(maxsize=None)
 def activations(model: "ModelSpec", seq: int, micro_batch: int, tp: int, pp: int,
                 sequence_parallel: bool, recompute: str, interleave: int = 1,
-                precision: str = "bf16") -> float:
+                precision: str = "bf16", own_shapes: bool = False) -> float:
     """Korthikanti et al. 2022's count (``activation_bytes_model``) for the first
     stage of ``stage_layers`` x pp layers, ``seq`` tokens a rank (seq / cp), in
-    16 bits (twice that in fp32). The formula is a GPT layer (4h GeLU MLP): for a
-    SwiGLU or MoE model it is an estimate of the same order, not that model's
-    exact count (see MODEL_PRESETS in helpers.memory)."""
+    16 bits (twice that in fp32). The formula is a GPT layer (4h GeLU MLP, a key
+    and value per head). ``own_shapes``: each layer counted with the model's own
+    MLP width and gating and its key/value heads instead
+    (``layer_activation_bytes``: a SwiGLU MLP keeps 6 sbf, grouped-query K and V
+    kv_heads / heads of 4 sbh); the planner and chapter 19's estimate pass True.
+    The embedding and output-layer terms are the same either way."""
     act = activation_bytes_model(seq, micro_batch, model.hidden, model.heads,
                                  stage_layers(model, pp) * pp, tp=tp, pp=pp,
                                  sequence_parallel=sequence_parallel, recompute=recompute,
                                  vocab=model.vocab, interleave=interleave)
+    if own_shapes:
+        gpt = activation_bytes_per_layer(seq, micro_batch, model.hidden, model.heads, tp=tp,
+                                         sequence_parallel=sequence_parallel,
+                                         recompute=recompute)
+        own = layer_activation_bytes(model, seq, micro_batch, tp, sequence_parallel, recompute)
+        in_flight = 1 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0  # sec. 4.2.3
+        act += (own - gpt) * stage_layers(model, pp) * pp * in_flight
     return act * (2 if precision == "fp32" else 1)
 
 

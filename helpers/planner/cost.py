@@ -28,7 +28,8 @@ a DP group strided across nodes gets one NIC per node, a packed one all of
 them. Memory (``memory_terms``): weights, gradients and optimizer state
 (``costs.model_state``: Rajbhandari et al. 2020, sec. 3.1, ZeRO-sharded over
 dp x cp), activations (``costs.activations``: Korthikanti et al. 2022, sec. 4
-and Table 2) on the busiest (first) pipeline stage; ``time_terms`` gives the
+and Table 2, each layer with the model's own MLP and key/value heads) on the
+busiest (first) pipeline stage; ``time_terms`` gives the
 seconds per step, by term, as the list above.
 """
 
@@ -68,7 +69,7 @@ def memory_terms(model: ModelSpec, lay: Layout) -> tuple:
     w, g, o = costs.model_state(model, lay.tp * lay.pp, lay.dp * lay.cp, lay.zero, lay.ep,
                                 costs.MIXED_ADAM)
     act = costs.activations(model, model.seq // lay.cp, lay.micro_batch, lay.tp, lay.pp,
-                            lay.tp > 1, lay.recompute, lay.interleave, "bf16")
+                            lay.tp > 1, lay.recompute, lay.interleave, "bf16", own_shapes=True)
     return w, g, o, act
 
 
