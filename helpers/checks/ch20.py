@@ -46,12 +46,13 @@ def check_model_state(model_state_gb) -> None:
 # (model, global batch, nodes, GPU kind): the budgets choose_layout is tried on, each
 # there for a mistake (the rung ratios are the planner's, printed by the check on failure)
 LAYOUT_CASES = [
-    # rungs at 1.30, 1.02, 1.02, 1.00 x the fastest: the rule picks TP, not the planner's
-    # winner (CP, the fastest rung) and not the first rung that fits (ZeRO-3)
+    # ZeRO-3, TP, PP, CP at 1.30, 1.02, 1.02, 1.00 x the fastest: the rule picks TP, not
+    # the planner's winner (CP, the fastest rung) nor the first rung that fits (ZeRO-3)
     ("70B", 1024, 8, "H100"),
-    # rungs at 1.075, 1.03, 1.00: a 10% threshold picks ZeRO-3, 5% picks TP, 2% picks CP
+    # TP, PP, CP at 1.075, 1.03, 1.00 (nothing fits below TP): a 10% threshold picks TP,
+    # the rule PP, 2% CP
     ("70B", 256, 2, "H100"),
-    # on A100s the first rung that fits is within 5%: a hard-coded H100 misses it
+    # on A100s the first rung that fits, TP, is within 5% (1.02): a hard-coded H100 misses it
     ("70B", 256, 2, "A100"),
     # every rung's best is the same ZeRO-1 layout: nothing above the first rung buys time
     ("7B", 512, 1, "H100"),
