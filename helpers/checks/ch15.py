@@ -15,9 +15,14 @@ The harness (``Unit``, ``make_unit``) is given; the learner writes
   reduce-scatter, drop the full gradients (``p.grad = None``), free the unit,
   and return this rank's averaged chunk.
 
-The check trains the toy GPT on 2 ranks with one unit per block (plus a root
-unit that the check keeps gathered), reduce-scatters the gradients itself,
-and compares with one process; it also watches the storage of every unit.
+The checks run on 3 ranks and on 4 (a block's 9,636 elements are not a multiple
+of 3, so skipped padding fails; gather/free on 4 ranks runs in two groups of 2
+passed as ``unit.group``, so a collective without ``group=`` fails). They train
+the toy GPT with one unit per block (plus a root unit that the check keeps
+gathered), reduce-scatter the gradients themselves, and compare with one
+process; they also watch the storage of every unit: the *original* ``full``
+tensor's, which the module's parameters view, so rebinding ``unit.full`` to a
+new empty tensor does not count as freeing it.
 """
 
 from __future__ import annotations
@@ -68,44 +73,87 @@ def is_gathered(unit: Unit) -> bool:
     return unit.full.untyped_storage().nbytes() > 0
 
 
-def _run_gather_free(gather, free):
+WORLDS = (3, 4)
+
+
+def _run_gather_free(gather, free, split):
+    import torch.distributed as dist
+
     from helpers import rank_info
     r = rank_info()
+    group, n, rank = None, r.world_size, r.rank
+    if split:  # two groups of 2: every rank creates both
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group, n, rank = pairs[r.rank // 2], 2, r.rank % 2
     torch.manual_seed(0)
-    lin = nn.Linear(4, 3)  # 15 elements: padded to 16 on 2 ranks
+    lin = nn.Linear(4, 2).to(r.device)  # 10 elements: padded to 12 on 3 ranks and on 2
     want = torch.cat([lin.weight.detach().reshape(-1), lin.bias.detach()]).clone()
-    unit = make_unit([lin.weight, lin.bias], r.world_size, r.rank)
+    unit = make_unit([lin.weight, lin.bias], n, rank, group)
+    original = unit.full  # what the Linear's parameters view
     states = [is_gathered(unit)]
     gather(unit)
-    states.append(is_gathered(unit))
-    got = unit.full[:15].clone() if is_gathered(unit) else None
+    rebound_by_gather = unit.full is not original
+    states.append(original.untyped_storage().nbytes() > 0)
+    got = original[:10].clone() if states[-1] else None
     # Read the Linear's own weight only if its storage has bytes (reading a
     # 0-byte storage through a view would crash the rank, not raise).
     weight_ok = (lin.weight.untyped_storage().nbytes() > 0
-                 and torch.equal(lin.weight.detach().reshape(-1), want[:12]))
+                 and torch.equal(lin.weight.detach().reshape(-1), want[:8]))
     free(unit)
-    states.append(is_gathered(unit))
-    return {"states": states, "got": got, "want": want, "weight_ok": weight_ok}
+    states.append(original.untyped_storage().nbytes() > 0)
+    return {"states": states, "got": got, "want": want, "weight_ok": weight_ok,
+            "rebound": unit.full is not original, "rebound_by_gather": rebound_by_gather,
+            "param_bytes": lin.weight.untyped_storage().nbytes()}
 
 
 def check_gather_free(gather, free) -> None:
-    """2 ranks: a Linear(4, 3), 15 elements padded to 16, 8 per rank."""
-    res = on_ranks(_run_gather_free, 2, gather, free, what="gather/free",
-                   probe=lambda: (gather(None), free(None)), hints=FREED_HINT)
-    for rank, out in enumerate(res):
-        if out["states"][1] is not True:
-            raise CheckFailed(f"rank {rank}: after gather the storage is still 0 bytes; grow it "
-                              f"with unit.full.untyped_storage().resize_(numel * 4) first")
-        if out["got"] is None or not torch.equal(out["got"], out["want"]):
-            raise CheckFailed(f"rank {rank}: after gather unit.full is not every rank's shard "
-                              f"in rank order (all_gather(unit.full, unit.shard, group))")
-        if not out["weight_ok"]:
-            raise CheckFailed(f"rank {rank}: the Linear's weight does not see the gathered "
-                              f"values: fill unit.full in place, do not replace it")
-        if out["states"][2] is not False:
-            raise CheckFailed(f"rank {rank}: after free the storage still holds "
-                              f"bytes; shrink it to 0 with resize_(0)")
-    passed("gather fills the full buffer in place from 2 padded shards; free returns it to 0 bytes")
+    """A Linear(4, 2), 10 elements, padded to 12: on 3 ranks (4 per rank), and on 4
+    ranks in two groups of 2 (6 per rank) passed as ``unit.group``.
+
+    Catches:
+    * gathers into a new tensor (``unit.full = torch.empty(...)``): the Linear's
+      weight does not see the values (named);
+    * fills without growing the storage first: still 0 bytes (named);
+    * all_gather without ``group=unit.group``: the 4-rank run mixes the two groups
+      (wrong values or a size error on the ranks);
+    * free keeps the bytes; free rebinds ``unit.full`` to an empty tensor, so the
+      parameters' storage is never released: both named;
+    * any exception (None unit fields misused, a shape error): the rank's error.
+    """
+    for world in WORLDS:
+        split = world == 4
+        res = on_ranks(_run_gather_free, world, gather, free, split,
+                       what=f"gather/free on {world} ranks" + (" in two groups" if split else ""),
+                       probe=lambda: (gather(None), free(None)), hints=FREED_HINT)
+        where = f"{world} ranks" + (" in two groups of 2" if split else "")
+        for rank, out in enumerate(res):
+            if out["rebound_by_gather"]:
+                raise CheckFailed(f"{where}, rank {rank}: gather replaced unit.full with a new "
+                                  f"tensor; the Linear's parameters still view the old, empty "
+                                  f"storage. Fill unit.full in place: grow its storage, then "
+                                  f"all_gather into it")
+            if out["states"][1] is not True:
+                raise CheckFailed(f"{where}, rank {rank}: after gather the storage the "
+                                  f"parameters view is still 0 bytes; grow it with "
+                                  f"unit.full.untyped_storage().resize_(numel * 4) first, and "
+                                  f"keep unit.full the same tensor")
+            if out["got"] is None or not torch.equal(out["got"], out["want"]):
+                raise CheckFailed(f"{where}, rank {rank}: after gather unit.full is not every "
+                                  f"rank's shard in rank order (all_gather(unit.full, "
+                                  f"unit.shard, group=unit.group))")
+            if not out["weight_ok"]:
+                raise CheckFailed(f"{where}, rank {rank}: the Linear's weight does not see the "
+                                  f"gathered values: fill unit.full in place, do not replace it")
+            if out["rebound"]:
+                raise CheckFailed(f"{where}, rank {rank}: free replaced unit.full with another "
+                                  f"tensor; the parameters still view the old one, whose "
+                                  f"{out['param_bytes']:,} bytes are still held. Shrink the "
+                                  f"storage in place: unit.full.untyped_storage().resize_(0)")
+            if out["states"][2] is not False:
+                raise CheckFailed(f"{where}, rank {rank}: after free the storage still holds "
+                                  f"bytes; shrink it to 0 with resize_(0)")
+    passed("gather fills the full buffer in place from padded shards (3 ranks, and two groups "
+           "of 2); free returns it to 0 bytes")
 
 
 def _run_attach(gather, free, attach, steps):
@@ -121,18 +169,19 @@ def _run_attach(gather, free, attach, steps):
     data = make_dataset(num_sequences=64, seq_len=16)
     model = build_model("toy", seed=0)
     units = [make_unit(list(b.parameters()), N, r.rank) for b in model.blocks]
+    originals = [u.full for u in units]  # a rebound unit.full is not a freed one
     for blk, u in zip(model.blocks, units):
         attach(blk, u, gather, free)
     gathered_after_own_forward, gathered_after_forward = [], []
-    for blk, u in zip(model.blocks, units):  # runs after the learner's hooks
+    for blk, o in zip(model.blocks, originals):  # runs after the learner's hooks
         blk.register_forward_hook(
-            lambda m, a, o, u=u: gathered_after_own_forward.append(is_gathered(u)))
+            lambda m, a, out, o=o: gathered_after_own_forward.append(_holds(o)))
     blocks = {id(p) for u in units for p in u.params}
     root = [p for p in model.parameters() if id(p) not in blocks]  # kept replicated
     for s in range(steps):
         x, y = data.batch(range(s * B * N, (s + 1) * B * N))
         loss = model(x[r.rank * B:(r.rank + 1) * B], y[r.rank * B:(r.rank + 1) * B])[1]
-        gathered_after_forward.append([is_gathered(u) for u in units])
+        gathered_after_forward.append([_holds(o) for o in originals])
         loss.backward()
         with torch.no_grad():
             for u in units:  # reduce-scatter the block grads, SGD on the shard, free
@@ -159,16 +208,23 @@ def _run_attach(gather, free, attach, steps):
 
 
 
-def _sgd_reference(steps: int):
-    """The toy GPT after `steps` SGD steps (lr 0.1, batches of 4) on one process, in
-    float32 and in float64 (the exact answer, to ~1e-16): what the ranks must match."""
+def _holds(original: torch.Tensor) -> bool:
+    """Whether the unit's original ``full`` (the storage its parameters view) holds bytes."""
+    return original.untyped_storage().nbytes() > 0
+
+
+def _sgd_reference(steps: int, world: int):
+    """The toy GPT after `steps` SGD steps (lr 0.1, batches of 2 per rank) on one
+    process, in float32 and in float64 (the exact answer, to ~1e-16): what the ranks
+    must match."""
     from helpers.data import make_dataset
     from helpers.model import build_model
 
     data = make_dataset(num_sequences=64, seq_len=16)
     ref, ref64 = build_model("toy", seed=0), build_model("toy", seed=0).double()
+    b = 2 * world
     for s in range(steps):
-        x, y = data.batch(range(s * 4, (s + 1) * 4))
+        x, y = data.batch(range(s * b, (s + 1) * b))
         for model in (ref, ref64):
             model(x, y)[1].backward()
             with torch.no_grad():
@@ -179,25 +235,41 @@ def _sgd_reference(steps: int):
 
 
 def check_attach(gather, free, attach) -> None:
-    """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process."""
-    res = on_ranks(_run_attach, 2, gather, free, attach, 2, what="attach",
-                   probe=lambda: attach(nn.Linear(1, 1), None, gather, free), hints=FREED_HINT)
-    ref, ref64 = _sgd_reference(steps=2)
-    want64 = dict(ref64.named_parameters())
-    for rank, out in enumerate(res):
-        if any(out["own"]):
-            raise CheckFailed(f"rank {rank}: a block's weights were still gathered after its "
-                              f"forward; free them in a forward hook")
-        if any(any(a) for a in out["after"]):
-            raise CheckFailed(f"rank {rank}: weights stayed gathered after the forward pass")
-        for n, p in ref.named_parameters():
-            # 2 ranks: the gradient sums differ from one process's only by fp32
-            # rounding, so as close to float64 as the fp32 reference is
-            if not within_fp32_noise(out["weights"][n], p.detach(), want64[n].detach())[0]:
-                raise CheckFailed(f"rank {rank}: {n} differs from one process after 2 SGD "
-                                  f"steps: are the gathered weights the current ones?")
+    """3 and 4 ranks, toy GPT, one unit per block, 2 SGD steps vs one process.
+
+    Catches:
+    * no gather before backward (forward hooks only): a freed weight used (hint);
+    * never frees, or frees by rebinding unit.full: weights still held after the
+      block's forward (named);
+    * gathers only once per step / stale weights: training differs (named);
+    * returns a tensor from the output's gradient hook (replacing the gradient),
+      or gathers in the wrong hook: training differs or a freed weight is used;
+    * any exception from the hooks: the rank's error, as CheckFailed.
+    """
+    for world in WORLDS:
+        res = on_ranks(_run_attach, world, gather, free, attach, 2, what=f"attach on {world} ranks",
+                       probe=lambda: attach(nn.Linear(1, 1), None, gather, free),
+                       hints=FREED_HINT)
+        ref, ref64 = _sgd_reference(2, world)
+        want64 = dict(ref64.named_parameters())
+        for rank, out in enumerate(res):
+            if any(out["own"]):
+                raise CheckFailed(f"{world} ranks, rank {rank}: a block's weights were still "
+                                  f"held after its forward; free them in a forward hook "
+                                  f"(shrink the storage, don't rebind unit.full)")
+            if any(any(a) for a in out["after"]):
+                raise CheckFailed(f"{world} ranks, rank {rank}: weights stayed gathered after "
+                                  f"the forward pass")
+            for n, p in ref.named_parameters():
+                # N ranks: the gradient sums differ from one process's only by fp32
+                # rounding, so as close to float64 as the fp32 reference is
+                if not within_fp32_noise(out["weights"][n], p.detach(), want64[n].detach())[0]:
+                    raise CheckFailed(f"{world} ranks, rank {rank}: {n} differs from one "
+                                      f"process after 2 SGD steps: are the gathered weights "
+                                      f"the current ones, and does the gradient hook return "
+                                      f"None?")
     passed("each block's weights live only during its forward and backward; training equals "
-           "one process")
+           "one process (3 and 4 ranks)")
 
 
 def _ref_gather(unit: Unit) -> None:
@@ -235,21 +307,34 @@ def _run_post_backward(post_backward, steps):
     units = [make_unit(list(b.parameters()), N, r.rank) for b in model.blocks]
     for blk, u in zip(model.blocks, units):
         _ref_attach(blk, u)
-    all_reduce = dist.all_reduce
+    refused = {
+        "all_reduce": "FSDP reduce-scatters a unit's gradients (an all-reduce sends twice "
+                      "the bytes and leaves full gradients)",
+        "all_gather_into_tensor": "post_backward only reduce-scatters: nothing is gathered "
+                                  "after backward",
+        "all_gather": "post_backward only reduce-scatters: nothing is gathered after backward"}
+    import helpers.comm as comm
+    saved = {name: getattr(dist, name) for name in refused}
+    saved_comm = comm._all_gather
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("all_reduce refused: FSDP reduce-scatters a unit's gradients "
-                           "(an all-reduce sends twice the bytes and leaves full gradients)")
+    def refuse(name):
+        def collective(*args, **kwargs):
+            raise RuntimeError(f"{name} refused: {refused[name]}")
+        return collective
 
     shards, calls, problems = {}, [], []
 
     def on_grad(p, u, i):
         if all(q.grad is not None for q in u.params):  # the unit's last gradient
-            dist.all_reduce = refuse
+            for name in refused:
+                setattr(dist, name, refuse(name))
+            comm._all_gather = refuse("all_gather")
             try:
                 out = post_backward(u, _ref_free)
             finally:
-                dist.all_reduce = all_reduce
+                for name, real in saved.items():
+                    setattr(dist, name, real)
+                comm._all_gather = saved_comm
             calls.append(i)
             if is_gathered(u):
                 problems.append(f"unit {i} was still gathered after post_backward: free it")
@@ -289,28 +374,41 @@ def _run_post_backward(post_backward, steps):
 
 
 def check_post_backward(post_backward) -> None:
-    """2 ranks, toy GPT, one unit per block, 2 SGD steps vs one process; your
+    """3 and 4 ranks, toy GPT, one unit per block, 2 SGD steps vs one process; your
     post_backward is called from inside backward, when a unit's last gradient
-    has been accumulated."""
-    res = on_ranks(_run_post_backward, 2, post_backward, 2, what="post_backward",
-                   probe=lambda: post_backward(None, _ref_free), hints=FREED_HINT)
-    ref, ref64 = _sgd_reference(steps=2)
-    want64 = dict(ref64.named_parameters())
-    for rank, out in enumerate(res):
-        if out["problems"]:
-            raise CheckFailed(f"rank {rank}: {out['problems'][0]}")
-        if out["calls"] != [1, 0, 1, 0]:  # backward reaches the last block first
-            raise CheckFailed(f"rank {rank}: post_backward ran for units {out['calls']}, "
-                              f"expected [1, 0, 1, 0] (once per unit per backward)")
-        for n, p in ref.named_parameters():
-            # 2 ranks: the gradient sums differ from one process's only by fp32
-            # rounding, so as close to float64 as the fp32 reference is
-            ok, _, _ = within_fp32_noise(out["weights"][n], p.detach(), want64[n].detach())
-            if not ok:
-                diff = (out["weights"][n] - p.detach()).abs().max().item()
-                raise CheckFailed(f"rank {rank}: {n} differs from one process after 2 SGD steps "
-                                  f"by {diff:.2e}: is the chunk the *average* over ranks, laid "
-                                  f"out in the unit's parameter order with the padding at the "
-                                  f"end?")
+    has been accumulated.
+
+    Catches:
+    * the sum, not the average: training differs (named);
+    * keeps p.grad, or never frees the unit: named;
+    * all-reduce then a slice, or any all-gather: refused (named);
+    * no padding / another layout than the unit's: a chunk of the wrong shape at
+      3 ranks, or wrong values (named);
+    * returns None or the whole buffer: named;
+    * any exception: the rank's error, as CheckFailed.
+    """
+    for world in WORLDS:
+        res = on_ranks(_run_post_backward, world, post_backward, 2,
+                       what=f"post_backward on {world} ranks",
+                       probe=lambda: post_backward(None, _ref_free), hints=FREED_HINT)
+        ref, ref64 = _sgd_reference(2, world)
+        want64 = dict(ref64.named_parameters())
+        for rank, out in enumerate(res):
+            if out["problems"]:
+                raise CheckFailed(f"{world} ranks, rank {rank}: {out['problems'][0]}")
+            if out["calls"] != [1, 0, 1, 0]:  # backward reaches the last block first
+                raise CheckFailed(f"{world} ranks, rank {rank}: post_backward ran for units "
+                                  f"{out['calls']}, expected [1, 0, 1, 0] (once per unit per "
+                                  f"backward)")
+            for n, p in ref.named_parameters():
+                # N ranks: the gradient sums differ from one process's only by fp32
+                # rounding, so as close to float64 as the fp32 reference is
+                ok, _, _ = within_fp32_noise(out["weights"][n], p.detach(), want64[n].detach())
+                if not ok:
+                    diff = (out["weights"][n] - p.detach()).abs().max().item()
+                    raise CheckFailed(f"{world} ranks, rank {rank}: {n} differs from one "
+                                      f"process after 2 SGD steps by {diff:.2e}: is the chunk "
+                                      f"the *average* over ranks, laid out in the unit's "
+                                      f"parameter order with the padding at the end?")
     passed("each unit's gradients reduce-scattered and dropped inside backward, the unit freed; "
-           "training equals one process")
+           "training equals one process (3 and 4 ranks)")
