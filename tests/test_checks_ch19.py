@@ -39,6 +39,13 @@ def _translate(precision_rule):
     return translate
 
 
+def _float_division(flags, world):
+    plan = _translate(lambda f: (_fmt(f), _fmt(f) == "bf16", _scaling(f)))(flags, world)
+    tp = int(flags.get("--tensor-model-parallel-size", 1))
+    pp = int(flags.get("--pipeline-model-parallel-size", 1))
+    return plan.replace(dp=world / (tp * pp))
+
+
 def _fmt(flags):
     return "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
 
@@ -127,6 +134,7 @@ class TestChapter19(ChapterChecks):
     wrong = [
         Wrong("translate", _translate_dp_without_pp, "dp forgets the pipeline's GPUs",
               says="dp should be 8, got 128"),
+        Wrong("translate", _float_division, "dp with / (a float)", says="use //"),
         Wrong("translate", _translate(lambda f: ("bf16", True, None)),
               "precision left at the Plan's default", says="precision should be 'fp32'"),
         Wrong("translate", _translate(lambda f: (_fmt(f), False, _scaling(f))),

@@ -48,7 +48,8 @@ def check_translate(learner_fn) -> None:
     reduces a bf16 model's gradients in fp32, 6 + 12/d bytes per parameter with the
     distributed optimizer, not 4 + 12/d); main gradients fp32 for fp16 too (the fp16
     optimizer keeps 16-bit gradients and copies them); a pp of 3 on 24 GPUs so that
-    a hard-coded power of two fails."""
+    a hard-coded power of two fails; a float count (world / (tp x pp) with /) or an
+    int where a bool belongs, equal by == but not the type the Plan field holds."""
     for flags, world in _FLAG_CASES:
         want = from_megatron(_as_args(flags), world)
         got = attempt(learner_fn, dict(flags), world, what="translate")
@@ -56,6 +57,12 @@ def check_translate(learner_fn) -> None:
             raise CheckFailed(f"return a Plan, got {type(got).__name__}")
         for f in TRANSLATE_FIELDS:
             g, w = getattr(got, f), getattr(want, f)
+            if type(w) in (int, bool) and type(g) is not type(w):
+                # 8.0 == 8 and 1 == True: equal here, wrong in the next cell's arithmetic
+                raise CheckFailed(f"flags {flags} on {world} GPUs: {f} should be the "
+                                  f"{type(w).__name__} {w!r}, got {type(g).__name__} {g!r}"
+                                  + (" (use // for a count of GPUs or micro-batches)"
+                                     if isinstance(g, float) else ""))
             if g != w:
                 hint = ""
                 if f == "dp":
