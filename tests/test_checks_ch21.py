@@ -92,6 +92,9 @@ class TestChapter21(ChapterChecks):
               says="Exchange the counts first|received rows differ"),
         Wrong("combine", _no_gates, "a plain sum, no gates", says="plain sum"),
         Wrong("combine", _overwrite, "assignment keeps one choice per token", says=None),
+        Wrong("combine", lambda out, ids, gates, T: out.new_zeros(
+              int(ids.max()) + 1, out.size(1)).index_add_(0, ids, out * gates.unsqueeze(1)),
+              "token count from the rows", says="num_tokens rows"),
         Wrong("combine", lambda out, ids, gates, T: None, "returns None",
               says="must be a tensor"),
     ]

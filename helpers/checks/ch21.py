@@ -155,29 +155,44 @@ def _dispatch_on(dispatch, P, E, H, probe_rows) -> None:
                               f"from the exchanged counts.")
 
 
+# (tokens, hidden, k, kept choices as indices into the token-major (T*k) list, seed)
+COMBINE_CASES = [
+    (6, 4, 2, [0, 1, 2, 4, 5, 7, 8, 9, 11], 7),   # second choices of tokens 1, 3, 5 dropped
+    (5, 3, 3, [0, 1, 2, 3, 6, 7, 9, 12, 13], 8),  # k = 3; token 2 lost two, token 3 one
+    (4, 2, 1, [0, 1, 2], 9),                      # top-1, the last token dropped: a zero row
+]
+
+
 def check_combine(combine) -> None:
-    """``combine`` against ``index_add_`` of gate * output, rows in expert order (not
-    token order), some second choices dropped.
+    """``combine`` against ``index_add_`` of gate * output (COMBINE_CASES: k = 1, 2, 3,
+    rows in expert order, not token order, some choices dropped, one token with none).
 
     Mistakes it is built to catch: the plain sum without gates; assignment
     (``y[ids] = ...``) that keeps one choice per token; rows assumed in token order;
-    a wrong shape."""
-    g = torch.Generator().manual_seed(7)
-    T, H, k = 6, 4, 2
-    token_ids = torch.arange(T).repeat_interleave(k)[torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11])]
-    N = token_ids.numel()   # some second choices dropped: tokens 1, 3 (index 3, 6), 5 (index 10)
-    out = torch.randn(N, H, generator=g)
-    gates = torch.rand(N, generator=g)
-    order = torch.randperm(N, generator=g)   # rows come back sorted by expert, not by token
-    out, token_ids, gates = out[order], token_ids[order], gates[order]
-    want = torch.zeros(T, H).index_add_(0, token_ids, out * gates.unsqueeze(1))
-    got = attempt(combine, out.clone(), token_ids.clone(), gates.clone(), T, what="combine")
-    got = _tensor(got, "combine's result")
-    # at most k = 2 products summed per token: a few fp32 ulps of values below ~10
-    if tuple(got.shape) != (T, H) or (got - want).abs().max() > 1e-5:
-        hint = ""
-        plain = torch.zeros(T, H).index_add_(0, token_ids, out)
-        if got.shape == plain.shape and (got - plain).abs().max() <= 1e-5:
-            hint = " That is the plain sum: multiply each expert's output by its gate."
-        raise CheckFailed(f"combine differs from sum over choices of gate * output.{hint}")
-    passed("combine right: gate-weighted sum per token, dropped choices contribute nothing")
+    a token count taken from the rows instead of ``num_tokens`` (the dropped last
+    token); a wrong shape or a non-tensor result."""
+    for T, H, k, kept, seed in COMBINE_CASES:
+        g = torch.Generator().manual_seed(seed)
+        token_ids = torch.arange(T).repeat_interleave(k)[torch.tensor(kept)]
+        N = token_ids.numel()
+        out = torch.randn(N, H, generator=g)
+        gates = torch.rand(N, generator=g)
+        order = torch.randperm(N, generator=g)   # rows come back sorted by expert
+        out, token_ids, gates = out[order], token_ids[order], gates[order]
+        want = torch.zeros(T, H).index_add_(0, token_ids, out * gates.unsqueeze(1))
+        case = f"T={T}, k={k}, {T * k - N} of {T * k} choices dropped"
+        got = attempt(combine, out.clone(), token_ids.clone(), gates.clone(), T,
+                      what=f"combine ({case})")
+        got = _tensor(got, "combine's result")
+        # at most k = 3 products summed per token: a few fp32 ulps of values below ~10
+        if tuple(got.shape) != (T, H) or (got - want).abs().max() > 1e-5:
+            hint = ""
+            plain = torch.zeros(T, H).index_add_(0, token_ids, out)
+            if got.shape == plain.shape and (got - plain).abs().max() <= 1e-5:
+                hint = " That is the plain sum: multiply each expert's output by its gate."
+            elif tuple(got.shape) != (T, H):
+                hint = f" Expected shape {(T, H)}, got {tuple(got.shape)}: num_tokens rows."
+            raise CheckFailed(f"{case}: combine differs from sum over choices of gate * "
+                              f"output.{hint}")
+    passed(f"combine right on {len(COMBINE_CASES)} cases (k = 1, 2, 3): gate-weighted sum per "
+           f"token, dropped choices contribute nothing")
