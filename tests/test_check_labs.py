@@ -1,0 +1,126 @@
+"""make check-labs (tools/check_labs.py): an instructor's table of a room's labs.
+
+The solutions pass every check, the untouched labs read "not attempted", one
+plausible wrong answer fails exactly its exercise, a hanging exercise times
+out without stopping the next one, and no process the run started outlives it.
+
+Chapters 01 and 03 by default (01 has no ranks, 03 runs its checks on ranks);
+COURSE_CHECK_LABS_ALL=1 runs every chapter (several minutes).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+import shutil
+import time
+
+import nbformat
+import pytest
+
+from tools import check_labs
+from tools.nbtool import write
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ONLY = None if os.environ.get("COURSE_CHECK_LABS_ALL") else r"^0[13]_"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _copy(src: str, dest: pathlib.Path) -> pathlib.Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    return pathlib.Path(shutil.copy(ROOT / src, dest))
+
+
+def _replace(path: pathlib.Path, old: str, new: str) -> None:
+    """A learner's edit: one cell's source changed (the test fails if old is absent)."""
+    nb = nbformat.read(path, as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and old in c.source]
+    assert len(cells) == 1, f"{path.name}: {old!r} is in {len(cells)} cells"
+    cells[0].source = cells[0].source.replace(old, new)
+    write(nb, path)
+
+
+def _statuses(results) -> dict[str, str]:
+    return {r.column: r.status for r in results}
+
+
+def test_the_solutions_pass_every_check():
+    results = check_labs.check_folder(ROOT / "solutions", only=ONLY)
+    assert results, "no exercises found in solutions/"
+    assert {r.chapter for r in results} >= {"01", "03"}
+    failed = [f"{r.column}: {r.status} {r.reason}" for r in results if r.status != "pass"]
+    assert not failed, failed
+
+
+def test_the_untouched_labs_are_not_attempted():
+    results = check_labs.check_folder(ROOT / "labs", only=ONLY)
+    # every check cell of the lab is one exercise (ch01 has 3, ch03 has 3)
+    assert len([r for r in results if r.chapter == "01"]) == 3
+    assert len([r for r in results if r.chapter == "03"]) == 3
+    wrong = [f"{r.column}: {r.status} {r.reason}" for r in results if r.status != "not attempted"]
+    assert not wrong, wrong
+
+
+def test_a_room_one_wrong_answer_fails_exactly_that_exercise(tmp_path):
+    # alice: the solved chapter 01 but for the classic slip, mixed precision
+    # without Adam's fp32 master copy of the weights (2 + 2 + 8 instead of 16 bytes)
+    alice = _copy("solutions/01_why_distributed_solution.ipynb", tmp_path / "room" / "alice")
+    _replace(alice, "return 2 + 2 + 4 + state", "return 2 + 2 + state")
+    _copy("labs/01_why_distributed_lab.ipynb", tmp_path / "room" / "bob")
+    # a course notebook (make my-copy copies those too) has no check cell: not a lab
+    _copy("course/01_why_distributed.ipynb", tmp_path / "room" / "bob")
+    out = tmp_path / "room.csv"
+    assert check_labs.main([str(tmp_path / "room"), "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    by = {(r["learner"], r["exercise"]): r for r in rows}
+    assert len(rows) == 6, rows  # 2 learners x 3 exercises, the course notebook skipped
+    assert by["alice", "bytes_per_param"]["status"] == "fail"
+    assert "bytes_per_param" in by["alice", "bytes_per_param"]["reason"]
+    assert "\n" not in by["alice", "bytes_per_param"]["reason"]
+    assert [by["alice", e]["status"] for e in ("gpus_needed", "classify_bottleneck")] == ["pass"] * 2
+    assert {by["bob", e]["status"] for e in ("bytes_per_param", "gpus_needed",
+                                            "classify_bottleneck")} == {"not attempted"}
+
+
+def test_a_hanging_exercise_with_live_ranks_times_out_and_the_next_one_still_runs(tmp_path):
+    """Exercise 1 of chapter 03 hangs while two ranks are alive (its cell launches
+    ranks that sleep for an hour). The run kills it after the cell timeout, goes on
+    in a fresh process from exercise 2, and leaves no process behind: not the
+    notebook's, not the rank server, not a rank."""
+    nb = _copy("solutions/03_all_reduce_ring_solution.ipynb", tmp_path / "carol")
+    _replace(nb, "        x[c:d] += buf\n    # END SOLUTION",
+             "        x[c:d] += buf\n    # END SOLUTION\n\n\ndef _stuck():\n    import time\n"
+             "    time.sleep(3600)\n\n\nlaunch(_stuck, 2, timeout=3600)")
+    groups = check_labs.Groups()
+    start = time.monotonic()
+    results = check_labs.check_folder(tmp_path / "carol", exercise_timeout=20, groups=groups)
+    took = time.monotonic() - start
+    by = {r.exercise: r for r in results}
+    assert by["reduce_scatter"].status == "timeout", vars(by["reduce_scatter"])
+    assert by["all_gather"].status == "pass", vars(by["all_gather"])
+    # ring_average uses the learner's reduce_scatter, which the hung cell never defined
+    assert by["ring_average"].status == "fail" and "reduce_scatter" in by["ring_average"].reason
+    assert took < 240, f"the run took {took:.0f} s"
+    for _ in range(50):  # SIGKILL is asynchronous: give the kernel a moment to reap
+        if not groups.marked():
+            break
+        time.sleep(0.1)
+    assert groups.marked() == [], "processes of the run outlived it"
+
+
+def test_the_table_says_what_each_mark_means():
+    results = [check_labs.Result("ana", "01_x_lab.ipynb", "01", "f", "pass"),
+               check_labs.Result("ana", "01_x_lab.ipynb", "01", "g", "fail", "g returned 3, expected 4"),
+               check_labs.Result("ben", "01_x_lab.ipynb", "01", "f", "not attempted")]
+    text = check_labs.table(results).splitlines()
+    assert text[0].split() == ["learner", "01:f", "01:g"]
+    assert text[1].split() == ["ana", "pass", "FAIL"]
+    assert text[2].split() == ["ben", "-"]  # ben has no row for g at all
+    assert "  ana 01:g: fail: g returned 3, expected 4" in text
+
+
+def test_a_folder_that_is_not_there_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        check_labs.main([str(tmp_path / "nope")])
+    assert "is not a folder" in capsys.readouterr().err
