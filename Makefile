@@ -17,6 +17,9 @@
 #   make labs       regenerate labs/ from solutions/
 #   make notebooks  re-execute course/ and solutions/ in place (outputs are committed)
 #   make bench      run the benchmarks and print their tables
+#   make site       the course as a static site in _build/site (from the committed outputs)
+#   make check-labs DIR=work   run every lab exercise's check in DIR (one learner's folder,
+#                   or one subfolder per learner): a pass/fail table and DIR/check_labs.csv
 
 PYTHON ?= python3
 VENV   := .venv
@@ -45,7 +48,7 @@ SUITE := tests course solutions -m "not browser" --nbval-lax --nbval-current-env
          -p no:cacheprovider --durations=40
 
 .PHONY: setup lab test labs notebooks bench clean my-copy reset normalize test-browser \
-        test-newest lock test-gpu
+        test-newest lock test-gpu site check-labs
 
 setup: $(STAMP)
 
@@ -106,6 +109,15 @@ notebooks: setup
 
 bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# The site group installs into the course's .venv, pinned like the rest (constraints.txt).
+site: setup
+	$(BIN)/python -m pip install -q -e ".[site]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
+	$(BIN)/python tools/site/build.py
+
+DIR ?= work
+check-labs: setup
+	$(BIN)/python tools/check_labs.py $(DIR)
 
 clean:
 	rm -rf $(VENV) $(NEWEST) .pytest_cache

@@ -1,0 +1,63 @@
+"""Sphinx configuration of the course's static site (``make site``; built by tools/site/build.py).
+
+The pages are the committed notebooks, rendered by myst-nb from their stored
+outputs (``nb_execution_mode = "off"``): nothing is re-executed, so the rank
+output, timings and the stored GPU runs on the site are the ones the
+repository holds. The API pages are Sphinx autodoc over the ``helpers``
+docstrings.
+"""
+
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # autodoc imports helpers from the checkout
+
+project = "Distributed LLM Training, hands-on"
+author = "the course authors"
+root_doc = "index"
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.mathjax"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+nb_execution_mode = "off"  # render the committed outputs, never run a cell
+# A widget's stored state is not shown: the static picture that
+# helpers.plots.interact stores next to it (an image output) is.
+nb_render_markdown_format = "myst"
+myst_enable_extensions = ["dollarmath", "amsmath", "html_image", "colon_fence"]
+myst_heading_anchors = 3
+# [text](other.ipynb#section) links between notebooks: resolved by heading anchors above.
+# A widget's output bundle holds the widget view, a text repr and the static
+# picture (helpers.plots.show_widget). Drop the view (a live widget needs a
+# kernel), so the picture is what the page shows.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
+
+# Each page documents what its module defines; a package's re-exports are
+# documented once, on the page of the module that defines them.
+autodoc_default_options = {"members": True, "show-inheritance": True, "ignore-module-all": True}
+autodoc_inherit_docstrings = False  # torch.autograd.Function's docs belong to torch's site
+autodoc_member_order = "bysource"
+autodoc_typehints = "none"  # signatures as written; forward refs need no resolution
+add_module_names = False
+
+html_theme = "alabaster"
+html_title = project
+html_theme_options = {"page_width": "1180px", "sidebar_width": "260px"}
+html_sidebars = {"**": ["about.html", "searchfield.html", "navigation.html", "relations.html"]}
+html_show_sourcelink = False
+html_copy_source = False
+
+
+def _verbatim(app, what, name, obj, options, lines):
+    """Show a docstring as written, in a literal block.
+
+    The helpers' docstrings are written to be read in an editor or with
+    help(): ``code`` and bullet lists, but also aligned tables, |x| and
+    indented formulas that are not reStructuredText. Parsed as reST they
+    would render wrongly (and warn); verbatim they read as their author
+    laid them out."""
+    if any(line.strip() for line in lines):
+        lines[:] = ["::", ""] + ["   " + line for line in lines] + [""]
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _verbatim)
