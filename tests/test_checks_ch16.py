@@ -24,7 +24,41 @@ def _everything(fsdp, i, phase):  # gathers all units at once: memory of DDP
         fsdp.gather_async(u)
 
 
-def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True):
+def _last_end(spans):  # sorts, but keeps the last span's end, not the furthest one
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, end))
+        end = b
+    return total
+
+
+def _first_span(spans):  # starts from spans[0]: IndexError on no spans
+    spans = sorted(spans)
+    (start, end), total = spans[0], 0.0
+    for a, b in spans[1:]:
+        if a > end:
+            total, start = total + end - start, a
+        end = max(end, b)
+    return total + end - start
+
+
+def _merged_spans(spans):  # returns the merged spans, not their length
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _just_ran(fsdp, i, phase):  # prefetches the unit that was just gathered: nothing new
+    if 0 <= i < len(fsdp.units):
+        fsdp.gather_async(fsdp.units[i])
+
+
+def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True,
+               k_of=None, divide_by=None, as_future=True):
     """The solution's mechanism with one switch turned wrong at a time (with every
     switch right, it is the solution)."""
     import math
@@ -39,7 +73,7 @@ def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True):
         acc = flat + errors.get(flat.data_ptr(), 0) if feedback else flat.clone()
         if dense:  # average densely, then sparsify: sends every element
             dist.all_reduce(acc, group=group)
-        k = math.ceil(ratio * acc.numel())
+        k = (k_of or (lambda r, n: math.ceil(r * n)))(ratio, acc.numel())
         idx = acc.abs().topk(k).indices
         vals = acc[idx]
         errors[flat.data_ptr()] = acc.index_fill(0, idx, 0.0) if zero_sent else acc.clone()
@@ -50,8 +84,11 @@ def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True):
         out = torch.zeros_like(flat)
         for i, v in zip(all_idx, all_vals):
             out.index_add_(0, i, v)
+        value = flat.copy_(out / (divide_by or n) if average else out)
+        if not as_future:
+            return value
         fut = torch.futures.Future()
-        fut.set_result(flat.copy_(out / n if average else out))
+        fut.set_result(value)
         return fut
 
     return hook
@@ -77,6 +114,17 @@ class TestChapter16(ChapterChecks):
               says="the sum"),
         Wrong("topk_ef_hook", partial(_topk_hook, dense=True), "averages densely first",
               says="dense all_reduce refused"),
+        Wrong("union_length", _last_end, "keeps the last end, not the furthest",
+              says=r"\(4.0, 5.0\)\]\) = 11.0"),
+        Wrong("union_length", _first_span, "spans[0] on no spans", says="raised IndexError"),
+        Wrong("union_length", _merged_spans, "returns the merged spans", says="expected a number"),
+        Wrong("prefetch", _just_ran, "prefetches the unit that just ran", says="not issued"),
+        Wrong("topk_ef_hook", partial(_topk_hook, k_of=lambda r, n: int(r * n)),
+              "k rounded down", says="round up"),
+        Wrong("topk_ef_hook", partial(_topk_hook, divide_by=2), "divides by a fixed 2",
+              says="3 ranks, rank 0, call 1"),
+        Wrong("topk_ef_hook", partial(_topk_hook, as_future=False), "returns the tensor",
+              says="not a torch.futures.Future"),
         Wrong("topk_ef_hook", partial(_topk_hook, zero_sent=False),
               "keeps the sent values in the error", says="the error you keep"),
     ]
