@@ -567,3 +567,37 @@ def test_young_interval_minimizes_the_lost_fraction_and_matches_a_replay():
     assert lost_sim == pytest.approx(failures.lost_fraction(tau, C, M), rel=0.15)
     # Without failures the replay is exact arithmetic: work / (work + saves).
     assert failures.simulate_goodput(100.0, 10.0, 1e30, work=1000.0) == pytest.approx(1000 / 1100)
+
+
+def test_saving_a_step_again_replaces_it_and_leaves_nothing_aside(tmp_path):
+    d = str(tmp_path)
+    save(d, {"w": torch.zeros(2)}, 2)
+    save(d, {"w": torch.ones(2)}, 2)
+    assert torch.equal(load_latest(d).state["w"], torch.ones(2))
+    assert sorted(os.listdir(d)) == ["step00000002"]
+
+
+def test_a_crash_while_replacing_a_step_keeps_both_copies_and_loads_the_one_before(
+        tmp_path, monkeypatch):
+    """The old copy moves aside before the new one takes its name: a crash between the
+    two renames leaves neither under the step's name, both on disk, and the loader
+    uses the checkpoint before."""
+    d = str(tmp_path)
+    save(d, {"w": torch.full((2,), 1.0)}, 1)
+    save(d, {"w": torch.full((2,), 2.0)}, 2)
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the old copy is aside; the new one is not in place yet
+            raise OSError("simulated crash")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        save(d, {"w": torch.full((2,), 3.0)}, 2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(d)) == ["step00000001", "step00000002.partial",
+                                     "step00000002.replaced"]
+    got = load_latest(d)
+    assert got.step == 1 and torch.equal(got.state["w"], torch.full((2,), 1.0))

@@ -10,7 +10,13 @@ rank 0 gathers the checksums, writes the manifest (fsynced), and only then
 renames the directory to ``step00000012``. A rename within one file system is
 atomic (POSIX rename(2)), so a reader sees either no checkpoint or a complete
 one; a job killed half-way leaves a ``.partial`` directory that the loader
-skips, saying why.
+skips, saying why. Saving a step that already exists takes two renames (see
+``_replace_dir``).
+
+How production differs: object stores (S3, GCS) have no directory rename, and
+some shared file systems do not make one atomic; there the commit is a marker
+written after every data file is durable (here that would be the manifest),
+and readers trust only checkpoints that have one.
 """
 
 from __future__ import annotations
@@ -44,6 +50,22 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _replace_dir(new: str, final: str) -> None:
+    """Put directory ``new`` in the place of the existing directory ``final``.
+
+    rename(2) cannot replace a non-empty directory, so this is two renames, not
+    one: the old copy moves aside (``.replaced``, a name the loader does not
+    read), the new one takes its name, and only then is the old one deleted. A
+    crash between the two renames leaves no ``final`` (the loader falls back to
+    the checkpoint before it) with both copies still on disk; deleting the old
+    copy first, then renaming, would lose it."""
+    aside = final + ".replaced"
+    shutil.rmtree(aside, ignore_errors=True)  # a leftover of an earlier crash
+    os.rename(final, aside)
+    os.rename(new, final)  # the commit point
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_checkpoint(directory: str, step: int, data: bytes, layout: dict, group=None,
@@ -81,9 +103,10 @@ def write_checkpoint(directory: str, step: int, data: bytes, layout: dict, group
             _write_durably(os.path.join(tmp, "manifest.json"),
                            json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
-            if os.path.exists(final):  # saving a step again (after a resume): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)  # the commit point
+            if os.path.exists(final):  # saving a step again (after a resume)
+                _replace_dir(tmp, final)
+            else:
+                os.rename(tmp, final)  # the commit point
             _fsync_dir(directory)
             if keep is not None:
                 for old_step, old, partial in list_checkpoints(directory)[keep:]:
