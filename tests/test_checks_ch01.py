@@ -28,6 +28,42 @@ def _ratio_rule(p):  # "slowest rank computes 2x the fastest" flags noise when c
     return {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}[part]
 
 
+def _float_table(weights, optimizer):  # right numbers, as floats
+    return {"adam": 16.0, "sgd-momentum": 12.0, "sgd": 8.0}[optimizer]
+
+
+def _adam_only(weights, optimizer):  # a table without plain SGD: KeyError
+    return {"adam": 16, "sgd-momentum": 12}[optimizer]
+
+
+def _int_plus_one(n, b, g):  # "round up" as int(x) + 1: one too many on a whole number
+    return int(n * b / (g * 1e9)) + 1
+
+
+def _float_ceil(n, b, g):  # -(-a // b) on floats: the right value as a float
+    return -(-n * b // (g * 1e9))
+
+
+def _mem_strict(p):  # "> 0.9" where the lab says "90 % or more"
+    if p.mem_frac > 0.9:
+        return "memory-bound"
+    return classify_bottleneck(ch01._p(p.data, p.compute, p.comm, 0.0))
+
+
+def _wait_at_least(p):  # ">=" where the wait must be larger than every real cost
+    if p.mem_frac >= 0.9:
+        return "memory-bound"
+    wait = max(p.compute) - min(p.compute)
+    if wait >= max(p.mean("data"), min(p.compute), min(p.comm)):
+        return "straggler-bound"
+    part = max(("data", "compute", "comm"), key=p.mean)
+    return {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}[part]
+
+
+def _spaces(p):  # right answer, label written with a space
+    return classify_bottleneck(p).replace("-", " ")
+
+
 class TestChapter01(ChapterChecks):
     lab = "labs/01_why_distributed_lab.ipynb"
     sol = "solutions/01_why_distributed_solution.ipynb"
@@ -42,6 +78,15 @@ class TestChapter01(ChapterChecks):
               "rounds down", says="round up"),
         Wrong("gpus_needed", lambda n, b, g: math.ceil(n * b / (g * 2**30)),
               "GiB where the GPU's memory is in GB", says=None),
+        Wrong("bytes_per_param", _float_table, "floats, not ints", says="return an int"),
+        Wrong("bytes_per_param", _adam_only, "no entry for plain SGD", says="raised KeyError"),
+        Wrong("gpus_needed", _int_plus_one, "int(x) + 1 for rounding up", says=r"10, 16, 80"),
+        Wrong("gpus_needed", _float_ceil, "a float from // on floats", says="return an int"),
+        Wrong("classify_bottleneck", _mem_strict, "> 0.9 for memory", says="profile 8"),
+        Wrong("classify_bottleneck", _wait_at_least, ">= for the straggler rule",
+              says="profile 9"),
+        Wrong("classify_bottleneck", _spaces, "labels with spaces", says="exactly one of"),
+        Wrong("classify_bottleneck", lambda p: None, "returns None", says="returned None"),
         Wrong("classify_bottleneck", _largest_only,
               "largest part only, no straggler rule", says="straggler"),
         Wrong("classify_bottleneck", _ratio_rule,

@@ -16,11 +16,28 @@ BYTES_PER_PARAM = {
 }
 
 
+def _is_int(x) -> bool:
+    """An int as the lab's signature states (``-> int``): 16.0 == 16 would pass a loose
+    compare, then fail where the next cell uses it as a count (``range``, slicing)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_bytes_per_param(bytes_per_param) -> None:
     """``bytes_per_param(weights, optimizer)`` for weights in fp32 / bf16-mixed and
-    optimizer in adam / sgd-momentum / sgd."""
+    optimizer in adam / sgd-momentum / sgd.
+
+    Catches:
+    * forgets the fp32 master copy under bf16-mixed: named;
+    * Adam's state in bf16 (2 + 2 bytes), or one moment only: the adam rows;
+    * a float (16.0, from ``/`` or a float table): named as a type error;
+    * None (a missing return) or a KeyError for an optimizer it does not know: named.
+    """
     for (weights, optimizer), want in BYTES_PER_PARAM.items():
-        got = attempt(bytes_per_param, weights, optimizer, what="bytes_per_param")
+        got = attempt(bytes_per_param, weights, optimizer,
+                      what=f"bytes_per_param({weights!r}, {optimizer!r})")
+        if got == want and not _is_int(got):
+            raise CheckFailed(f"bytes_per_param({weights!r}, {optimizer!r}) = {got!r}: right "
+                              f"value, but return an int (the signature says -> int)")
         if got != want:
             hint = (" Mixed precision keeps an fp32 master copy of the weights for the "
                     "optimizer." if weights == "bf16-mixed" else "")
@@ -33,14 +50,28 @@ def check_bytes_per_param(bytes_per_param) -> None:
 GPU_CASES = [  # (params, bytes/param, GPU GB) -> GPUs for model state alone
     (70e9, 16, 80, 14), (7e9, 16, 80, 2), (13e9, 16, 80, 3), (405e9, 16, 80, 81),
     (1e9, 16, 24, 1), (7e9, 8, 24, 3),
+    (10e9, 16, 80, 2),  # exactly 2.0 GPUs: int(x) + 1 gives 3
+    (1e6, 16, 80, 1),   # a sliver of one GPU: still one GPU, not 0
 ]
 
 
 def check_gpus_needed(gpus_needed) -> None:
     """``gpus_needed(n_params, bytes_per_param, gpu_gb)``: GPUs to hold the model state
-    (decimal GB, as GPU vendors quote)."""
+    (decimal GB, as GPU vendors quote).
+
+    Catches:
+    * rounds down (``int``, ``//``): 7e9 x 16 bytes / 80 GB = 1.4 GPUs -> 1 (named);
+    * ``int(x) + 1`` for rounding up: 10e9 x 16 / 80 GB is exactly 2, not 3;
+    * GiB (2**30) where the GPU's memory is in GB: 405e9 -> 76, not 81;
+    * a float (``-(-x // y)`` on floats gives 14.0): named as a type error;
+    * None or an exception: named with the case.
+    """
     for n, bpp, gb, want in GPU_CASES:
-        got = attempt(gpus_needed, n, bpp, gb, what="gpus_needed")
+        got = attempt(gpus_needed, n, bpp, gb, what=f"gpus_needed({n:.3g}, {bpp}, {gb})")
+        if got == want and not _is_int(got):
+            raise CheckFailed(f"gpus_needed({n:.3g}, {bpp}, {gb}) = {got!r}: right value, but "
+                              f"return an int (math.ceil gives one; -(-a // b) on floats "
+                              f"gives a float)")
         if got != want:
             extra = " (round up: part of a GPU is still a GPU)" if got == want - 1 else ""
             extra += " (1 GB = 1e9 bytes here)" if isinstance(got, int) and got > want else ""
@@ -62,13 +93,35 @@ PROFILES = [
     (_p([1, 1], [5, 12], [100, 95]), "all-reduce-bound"),  # uneven compute, but comm dominates
     (_p([1, 1], [30, 31], [5, 6], mem=0.95), "memory-bound"),
     (_p([1, 1], [30, 31], [5, 6], mem=0.89), "compute-bound"),
+    (_p([1, 1], [30, 31], [5, 6], mem=0.90), "memory-bound"),  # "90 % or more": >=, not >
+    # the wait (20 - 10 = 10 ms) equals the largest real cost (10 ms of compute, 10 ms of
+    # transfer): "larger than every real cost" is strict, so not a straggler
+    (_p([1, 1], [10, 20], [10, 12]), "compute-bound"),
+    # the mean comm (25 ms) looks largest, but on the fast ranks it is waiting: the
+    # slow rank's 2 ms is the real transfer
+    (_p([1, 1, 1], [5, 5, 40], [36, 37, 2]), "straggler-bound"),
 ]
 
 
 def check_classify_bottleneck(classify_bottleneck) -> None:
-    """``classify_bottleneck(profile: StepProfile) -> str``."""
+    """``classify_bottleneck(profile: StepProfile) -> str``.
+
+    Catches:
+    * the largest part only, no straggler rule: profiles 3 and 4 (named);
+    * a compute ratio (slowest 2x the fastest) instead of the wait against the real
+      costs: profile 5 (noise on small compute flagged);
+    * memory tested after the timings, or ``> 0.9``: profiles 6 and 8;
+    * ``>=`` where the wait must be *larger* than every cost: profile 9;
+    * the mean comm (which includes waiting) as the real comm cost: profiles 4, 10;
+    * a misspelled label ("memory bound"), None, or an exception: named.
+    """
+    labels = ("memory-bound", "straggler-bound", "input-bound", "all-reduce-bound",
+              "compute-bound")
     for i, (profile, want) in enumerate(PROFILES):
-        got = attempt(classify_bottleneck, profile, what="classify_bottleneck")
+        got = attempt(classify_bottleneck, profile, what=f"classify_bottleneck(profile {i})")
+        if got not in labels:
+            raise CheckFailed(f"profile {i}: classify_bottleneck returned {got!r}; return "
+                              f"exactly one of {', '.join(map(repr, labels))}")
         if got != want:
             means = {p: round(profile.mean(p), 1) for p in ("data", "compute", "comm")}
             raise CheckFailed(f"profile {i} (compute per rank {profile.compute} ms, "
