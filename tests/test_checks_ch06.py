@@ -43,6 +43,49 @@ def _counter_using_numel(model, run):
     return sum(seen.values())
 
 
+def _params_by_id(model, run):  # excludes parameters by id(): a saved weight.t() slips in
+    params = {id(p) for p in model.parameters()}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if id(t) not in params and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total
+
+
+def _pack_returns_nothing(model, run):  # right count, but autograd keeps None
+    inner = _counter(dedup=True, skip_params=True)
+    total = inner(model, lambda: None)  # nothing counted by the inner one
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+
+    def pack(t):
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total
+
+
+def _float_count(model, run):  # the right count, as a float (bytes / 1 ...)
+    return float(_counter(dedup=True, skip_params=True)(model, run))
+
+
+def _misspelled_part(budget, layers):  # "optimiser": a KeyError
+    return budget["weights"] + budget["optimiser"] + max(budget["activations"], budget["grads"])
+
+
 class TestChapter06(ChapterChecks):
     lab = "labs/06_where_memory_goes_lab.ipynb"
     sol = "solutions/06_where_memory_goes_solution.ipynb"
@@ -62,6 +105,17 @@ class TestChapter06(ChapterChecks):
               "stage 2 does not shard the gradients", says="zero_stage=2"),
         Wrong("activation_bytes", lambda s, b, h, a: 34 * s * b * h,
               "no attention term", says="activation bytes"),
+        Wrong("activation_bytes", lambda s, b, h, a: s * b * h * (34 + 5 * a * s // h),
+              "integer division in 5as/h", says=r"s=100, b=2, h=96, a=6"),
+        Wrong("saved_bytes", _params_by_id, "parameters excluded by id()",
+              says="excluded by their storage"),
+        Wrong("saved_bytes", _pack_returns_nothing, "the pack hook returns nothing",
+              says="pack hook must return the tensor"),
+        Wrong("saved_bytes", _float_count, "a float count", says="return an int"),
+        Wrong("step_peak", _misspelled_part, "a misspelled part name",
+              says="raised KeyError"),
+        Wrong("step_peak", lambda budget, layers: None, "returns None",
+              says="should return a number"),
         Wrong("saved_bytes", _counter(dedup=False, skip_params=True),
               "counts a tensor saved twice twice", says="saved twice"),
         Wrong("saved_bytes", _counter(dedup=True, skip_params=False),

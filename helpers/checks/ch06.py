@@ -15,7 +15,14 @@ __all__ = ["check_step_peak", "check_model_state_bytes", "check_activation_bytes
 
 
 def check_model_state_bytes(learner_fn) -> None:
-    """``learner_fn(n_params, dp, zero_stage) -> bytes per GPU`` (bf16 mixed Adam)."""
+    """``learner_fn(n_params, dp, zero_stage) -> bytes per GPU`` (bf16 mixed Adam).
+
+    Catches:
+    * forgets the fp32 master copy (12 bytes, not 16): 70e9 at dp 1;
+    * stage 2 not sharding the gradients, stage 3 not the weights: the 7.5e9 rows;
+    * ZeRO applied at dp = 1 or stage 0: the dp = 1 and stage 0 rows;
+    * None or an exception: named with the case.
+    """
     cases = [(70e9, 1, 0), (7.5e9, 64, 0), (7.5e9, 64, 1), (7.5e9, 64, 2), (7.5e9, 64, 3),
              (1e9, 8, 2), (3e9, 1, 3)]
     for n, dp, stage in cases:
@@ -36,11 +43,24 @@ STEP_BUDGETS = [  # (budget in GB, layers): activations above, then below, the g
 
 def check_step_peak(learner_fn) -> None:
     """``learner_fn(budget, layers) -> peak bytes`` over one step, against
-    ``helpers.memory.memory_over_step``."""
+    ``helpers.memory.memory_over_step``.
+
+    Catches:
+    * the sum of all four parts: named;
+    * forgets the gradients (alive at the end of backward and at the step): named;
+    * always activations, or always gradients, as the third term: the budgets with
+      activations above, then below, the gradients;
+    * mutates the budget dict the caller passed: the next case's numbers (a copy is
+      passed, and the check compares with a fresh one);
+    * returns None or a string: named; an exception (a KeyError on a part's name): named.
+    """
     for budget, layers in STEP_BUDGETS:
         want = max(sum(parts.values()) for _, parts in memory_over_step(budget, layers))
-        got = attempt(learner_fn, dict(budget), layers, what="step_peak")
+        got = attempt(learner_fn, dict(budget), layers,
+                      what=f"step_peak({budget}, layers={layers})")
         try:
+            if isinstance(got, (str, bool)):  # float() takes them; the lab wants a number
+                raise TypeError
             value = float(got)
         except (TypeError, ValueError):
             raise CheckFailed(f"step_peak should return a number of bytes, got {got!r}") from None
@@ -59,10 +79,19 @@ def check_step_peak(learner_fn) -> None:
 
 
 def check_activation_bytes(learner_fn) -> None:
-    """``learner_fn(seq, batch, hidden, heads) -> bytes`` of one layer (Korthikanti eq.)."""
-    cases = [(2048, 1, 12288, 96), (1024, 4, 4096, 32), (32, 8, 64, 4), (4096, 1, 8192, 64)]
+    """``learner_fn(seq, batch, hidden, heads) -> bytes`` of one layer (Korthikanti eq.).
+
+    Catches:
+    * no attention term (34 sbh only): every case;
+    * integer division in 5as/h (``5 * a * s // h``): (100, 2, 96, 6), where 5as/h =
+      31.25 is not a whole number (in the GPT-3-like shapes it always is);
+    * the attention term without the batch, or with h where s belongs: wrong values;
+    * None or an exception: named with the case.
+    """
+    cases = [(2048, 1, 12288, 96), (1024, 4, 4096, 32), (32, 8, 64, 4), (4096, 1, 8192, 64),
+             (100, 2, 96, 6)]
     for s, b, h, a in cases:
-        got = attempt(learner_fn, s, b, h, a, what="activation_bytes")
+        got = attempt(learner_fn, s, b, h, a, what=f"activation_bytes({s}, {b}, {h}, {a})")
         expect_close(got, activation_bytes_per_layer(s, b, h, a),
                      f"activation bytes for s={s}, b={b}, h={h}, a={a}", rel=1e-9)
     passed("activation bytes per layer: s*b*h*(34 + 5*a*s/h) on 4 shapes")
@@ -87,21 +116,74 @@ def _cases():
 
 def check_saved_bytes(learner_fn) -> None:
     """``learner_fn(model, run) -> int``: bytes autograd keeps for backward while
-    ``run()`` executes, each storage once, parameters not counted."""
+    ``run()`` executes, each storage once, parameters not counted.
+
+    Catches:
+    * a storage saved twice counted twice: named;
+    * parameters counted (all of them, or those autograd saves as a view such as
+      ``weight.t()`` when excluded by ``id()``): named, with the bytes involved;
+    * numel x element size instead of the storage's bytes (a view keeps its whole
+      buffer): the product of two views;
+    * a pack hook that returns nothing: the count may be right, but backward then
+      fails; the check runs backward after your function and names it;
+    * returns a float, None: named; an exception: named with the case.
+    """
     for what, model, run in _cases():
         with SavedTensorCounter(model) as ref:
             run()
         torch.manual_seed(0)
-        got = attempt(learner_fn, model, run, what="saved_bytes")
-        if not isinstance(got, int):
-            raise CheckFailed(f"{what}: return an int number of bytes, got {type(got).__name__}")
+        outputs = []
+
+        def run_and_keep():
+            out = run()
+            outputs.append(out)
+            return out
+
+        got = attempt(learner_fn, model, run_and_keep, what=f"saved_bytes ({what})")
+        if not isinstance(got, int) or isinstance(got, bool):
+            raise CheckFailed(f"{what}: return an int number of bytes, got {got!r}")
+        # backward first: a pack hook that returns nothing also spoils the count (freed
+        # buffers are reused, so storages look shared), and that is not the mistake
+        _backward_still_works(what, outputs)
         if got != ref.total_bytes:
-            with_params = ref.total_bytes + sum(
-                r.storage_bytes for r in ref.records if r.is_param)
-            hint = ""
-            if got == with_params:
-                hint = " (parameters are model state, not activations: leave them out)"
-            elif got > ref.total_bytes:
-                hint = " (is a storage saved twice counted twice?)"
-            raise CheckFailed(f"{what}: expected {ref.total_bytes:,} bytes, got {got:,}{hint}")
-    passed("saved-tensor counter agrees with the reference to the byte")
+            raise CheckFailed(f"{what}: expected {ref.total_bytes:,} bytes, got {got:,}"
+                              f"{_saved_hint(got, ref, model)}")
+    passed("saved-tensor counter agrees with the reference to the byte, and backward still runs")
+
+
+def _saved_hint(got: int, ref, model) -> str:
+    with_params = ref.total_bytes + sum(r.storage_bytes for r in ref.records if r.is_param)
+    extra = got - ref.total_bytes
+    param_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    every_save = sum(r.storage_bytes for r in ref.records if not r.is_param)
+    if got == with_params:
+        return " (parameters are model state, not activations: leave them out)"
+    if got == every_save:
+        return (" (a storage saved twice is counted twice: count each storage once, keyed "
+                "by t.untyped_storage().data_ptr())")
+    if 0 < extra <= param_bytes:
+        return (f" ({extra:,} bytes too many, no more than the parameters' {param_bytes:,}: "
+                f"are parameters excluded by their storage? autograd often saves a weight "
+                f"as a view such as weight.t(), another tensor object than the parameter, "
+                f"so an id() test misses it)")
+    if extra > 0:
+        return " (is a storage saved twice counted twice, or a parameter counted?)"
+    return (" (count each storage's bytes, t.untyped_storage().nbytes(): a view keeps its "
+            "whole buffer alive)")
+
+
+def _backward_still_works(what: str, outputs: list) -> None:
+    """Backward through what ``run`` produced under the learner's hooks: a pack hook
+    that returns nothing leaves autograd nothing to unpack."""
+    if not outputs:
+        raise CheckFailed(f"{what}: your function never called run(): call it inside your "
+                          f"saved_tensors_hooks context")
+    out = outputs[0]
+    loss = out[1] if isinstance(out, tuple) else out.float().sum()
+    try:
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the learner's hooks broke backward: say so
+        raise CheckFailed(f"{what}: the count is right, but backward through the graph built "
+                          f"under your hooks fails ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:160]}). The pack hook must return the "
+                          f"tensor (and unpack return what pack gave it).") from None
