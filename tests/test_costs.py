@@ -361,3 +361,18 @@ def test_where_nccl_beats_its_ring():
     # SHARP by default and reaches ~480 GB/s busbw, above the 450 GB/s line rate that
     # bounds any ring (the model's ring busbw): the switch does the reduction
     assert 480e9 > measured_busbw(h100_cluster(1), "all_reduce", BIG, 8) >= 370e9
+
+
+def test_chapter_03s_flat_ring_is_the_scattered_ring_when_every_gpu_has_a_nic():
+    # helpers.topology.cost's "ring" (one channel, every step waiting for its network
+    # hop) is what NCCL's model charges a ring whose neighbours sit on different nodes,
+    # on machines with a NIC per GPU; with one NIC per node the scattered ring is slower
+    for topo in (h100_cluster(8), a100_cluster(4)):
+        for N in (1e3, 1e9):
+            flat = collective_cost(topo, "all_reduce", N, topo.world_size, "ring").time
+            assert flat == pytest.approx(
+                costs.network.scattered_ring_time(topo, "all_reduce", N, topo.world_size),
+                rel=1e-12)
+    box = pcie_cluster(4)
+    assert (costs.network.scattered_ring_time(box, "all_reduce", 1e9, 32)
+            > collective_cost(box, "all_reduce", 1e9, 32, "ring").time)
