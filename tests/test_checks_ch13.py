@@ -72,6 +72,45 @@ class RestoresWithoutFork(torch.autograd.Function):
         return None, x.grad
 
 
+class OneGradient(torch.autograd.Function):
+    """Returns only x's gradient: forward took two inputs (run_fn, x)."""
+
+    @staticmethod
+    def forward(ctx, run_fn, x):
+        ctx.run_fn, ctx.rng = run_fn, torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run_fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                y = ctx.run_fn(x)
+        torch.autograd.backward(y, grad_out)
+        return x.grad
+
+
+def _scale_only(hist, new_amax, scale, fp8_max, margin=0):  # returns the scale, no history
+    from helpers.precision import update_delayed_scale
+    return update_delayed_scale(hist, new_amax, scale, fp8_max=fp8_max, margin=margin)[1]
+
+
+def _per_entry_scale(hist, new_amax, scale, fp8_max, margin=0):  # a scale per history entry
+    from helpers.precision import update_delayed_scale
+    h, _ = update_delayed_scale(hist, new_amax, scale, fp8_max=fp8_max, margin=margin)
+    return h, fp8_max / h.clamp(min=1e-12) / 2 ** margin
+
+
+def _float32_values(x):  # right scales, values left in float32
+    from helpers.precision import mx_quantize
+    x8, s = mx_quantize(x)
+    return x8.float(), s
+
+
 def _current_scaling(hist, new_amax, scale, fp8_max, margin=0):  # the latest amax, no history
     hist = torch.roll(hist, 1)
     hist[0] = new_amax
@@ -121,6 +160,15 @@ class TestChapter13(ChapterChecks):
         Wrong("checkpoint", NoRngRestore, "a fresh dropout mask in the recompute",
               says="same mask"),
         Wrong("checkpoint", KeepsGraph, "saves the output too", says="only the input"),
+        Wrong("checkpoint", OneGradient, "backward returns one gradient for two inputs",
+              says="raised RuntimeError"),
+        Wrong("delayed_scale", _scale_only, "returns only the scale",
+              says="return a pair"),
+        Wrong("delayed_scale", _per_entry_scale, "a scale per history entry",
+              says="should be one number"),
+        Wrong("mx_quantize", _float32_values, "values left in float32",
+              says="should be a tensor of dtype"),
+        Wrong("mx_quantize", lambda x: None, "returns None", says="should return"),
         Wrong("delayed_scale", _current_scaling, "current scaling instead of the history",
               says="scale should be"),
         Wrong("delayed_scale", _no_margin, "forgets the margin", says="margin=1"),

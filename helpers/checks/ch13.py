@@ -15,7 +15,17 @@ __all__ = ["check_checkpoint", "check_delayed_scale"]
 
 def check_checkpoint(LearnerCheckpoint) -> None:
     """``LearnerCheckpoint.apply(run_fn, x)`` must equal ``run_fn(x)`` in output and in
-    every gradient (dropout on), and keep only ``x`` for backward."""
+    every gradient (dropout on), and keep only ``x`` for backward.
+
+    Catches:
+    * a fresh dropout mask in the recompute (RNG state not saved): gradients (named);
+    * rewinds the global RNG without fork_rng: the caller's stream after backward (named);
+    * saves the output (or runs forward with grad): bytes kept for backward (named);
+    * backward returns one gradient for two inputs (no None for run_fn), or the
+      recompute outside enable_grad: the RuntimeError, named;
+    * backward returns the gradient of the output, not of x: gradients differ (named);
+    * forward returns a tuple or another shape: named.
+    """
     cfg = GPTConfig(dropout=0.3)
     torch.manual_seed(0)
     block = Block(cfg).train()
@@ -60,7 +70,15 @@ def check_checkpoint(LearnerCheckpoint) -> None:
 
 
 def check_delayed_scale(learner_fn) -> None:
-    """``learner_fn(amax_history, new_amax, scale, fp8_max, margin) -> (history, scale)``."""
+    """``learner_fn(amax_history, new_amax, scale, fp8_max, margin) -> (history, scale)``.
+
+    Catches:
+    * current scaling (the newest amax only): the scale after 8.0 leaves the newest slot;
+    * forgets the margin: the margin = 1 run (named);
+    * history not rolled (newest overwritten) or rolled the wrong way: named;
+    * a zero amax history dividing by zero (inf scale): step 6 of the length-3 run;
+    * returns None, a single value, or a scale that is not one number: named.
+    """
     amaxes = [2.0, 8.0, 1.0, 0.5, 0.5, 0.5, 0.0, 3.0]
     for fp8_max, margin, length in ((448.0, 0, 4), (57344.0, 1, 3)):
         hist_ref = torch.zeros(length)
@@ -74,8 +92,12 @@ def check_delayed_scale(learner_fn) -> None:
             try:
                 hist, scale = torch.as_tensor(out[0], dtype=torch.float32), \
                     torch.as_tensor(out[1], dtype=torch.float32)
-            except (TypeError, IndexError, ValueError):
-                raise CheckFailed("return a pair (new_history, new_scale)") from None
+            except (TypeError, IndexError, ValueError, KeyError, RuntimeError):
+                raise CheckFailed(f"step {step}: return a pair (new_history, new_scale), got "
+                                  f"{out!r:.80}") from None
+            if scale.numel() != 1:
+                raise CheckFailed(f"step {step}: the new scale should be one number, got a "
+                                  f"tensor of shape {tuple(scale.shape)}")
             # the history only moves the given amaxes around: exact
             if hist.shape != hist_ref.shape or not torch.equal(hist, hist_ref):
                 raise CheckFailed(f"step {step}: history should be {hist_ref.tolist()} (newest "
@@ -93,7 +115,17 @@ def check_delayed_scale(learner_fn) -> None:
 def check_mx_quantize(mx_quantize_fn) -> None:
     """``mx_quantize(x) -> (x8, scales)``: MXFP8, 1x32 blocks along the last dimension,
     one power-of-two scale per block (OCP MX v1.0), compared exactly with the reference
-    ``helpers.precision.mx_quantize`` (the same arithmetic gives the same bits)."""
+    ``helpers.precision.mx_quantize`` (the same arithmetic gives the same bits).
+
+    Catches:
+    * one scale per tensor: named;
+    * scales not powers of two (fp8_max / amax): named;
+    * the exponent rounded instead of floored: the 1.9 x 2^k block;
+    * no saturation before the cast (486 becomes NaN in E4M3): the same block;
+    * an all-zero block dividing by zero: the zeros case;
+    * x8 not FP8 (left in float32), or not a tensor: named;
+    * returns None or one tensor: named; an exception: named.
+    """
     from helpers.precision import mx_quantize as reference
 
     g = torch.Generator().manual_seed(13)
@@ -128,7 +160,10 @@ def check_mx_quantize(mx_quantize_fn) -> None:
                     "round the exponent of the block's amax down, not the scale itself.")
             raise CheckFailed(f"scales {got_s.flatten()[:4].tolist()}..., expected "
                               f"{want_s.flatten()[:4].tolist()}...{hint}")
-        if got8.dtype != want8.dtype or not torch.equal(got8.float().nan_to_num(1e9),
+        if not isinstance(got8, torch.Tensor) or got8.dtype != want8.dtype:
+            raise CheckFailed(f"x8 should be a tensor of dtype {want8.dtype}, got "
+                              f"{got8.dtype if isinstance(got8, torch.Tensor) else got8!r:.60}")
+        if got8.shape != want8.shape or not torch.equal(got8.float().nan_to_num(1e9),
                                                         want8.float()):
             raise CheckFailed("the scales are right but the FP8 values are not: multiply each "
                               "block by its scale, saturate to the format's range, then cast")
