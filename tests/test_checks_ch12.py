@@ -117,7 +117,8 @@ class TestChapter12(ChapterChecks):
         Wrong("one_f_one_b on ranks", reversed_warmup, "warm-up of r forwards: deadlock",
               says="can never finish"),
         # GPipe order runs correctly on the ranks, but its measured stash gives it away
-        Wrong("one_f_one_b on ranks", gpipe, "GPipe order", says=r"measured peak stash \[4, 4, 4\]"),
+        Wrong("one_f_one_b on ranks", gpipe, "GPipe order",
+              says=r"measured peak stash \[4, 4, 4\]"),
         Wrong("zb_h1", _w_after_b, "W right after its B", says="W runs right after its B"),
         Wrong("zb_h1", _all_w_last, "every W postponed to the end", says="keeps 1F1B's memory"),
         Wrong("zb_h1", _w_before_b, "W before its B",
