@@ -182,6 +182,16 @@ def test_each_chapter_links_the_helpers_it_teaches(site):
     assert "ring_all_reduce" in text or "chunk_bounds" in text  # members documented
 
 
+def test_math_is_marked_up_for_mathjax(site):
+    """Without a browser: the chapter's $...$ became MathJax's markup and the page loads MathJax."""
+    nb = nbformat.read(ROOT / "course" / "03_all_reduce_ring.ipynb", as_version=4)
+    dollars = sum(c.source.count("$") for c in nb.cells if c.cell_type == "markdown")
+    assert dollars >= 2, "chapter 03 has no math any more: pick another chapter"
+    text = (site / "course" / "03_all_reduce_ring.html").read_text(encoding="utf-8")
+    assert 'class="math notranslate nohighlight"' in text
+    assert re.search(r'<script[^>]+src="[^"]*mathjax[^"]*"', text)
+
+
 # -- in a real browser ------------------------------------------------------------
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="regex on notebook names, e.g. '^0[1-3]'")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
-        parser.error(f"{args.folder} is not a folder (make check-labs DIR=work)")
+        parser.error(f"{args.folder} is not a folder: name one with DIR=... "
+                     f"(one learner's labs, or one subfolder per learner; make my-copy makes work/)")
     results = check_folder(args.folder, args.timeout, args.exercise_timeout, args.only,
                            progress=lambda s: print(f"checking {s}", file=sys.stderr, flush=True))
     if not results:
