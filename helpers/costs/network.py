@@ -42,11 +42,12 @@ per node (DP over TP-8 layouts) gets one NIC, 50 GB/s: each NIC carries g times
 more. Where the group's GPUs are spread unevenly (8, 8, 4), the node with the
 fewest of them limits: m is that node's count.
 
-Chapter 07 (``helpers.topology.cost``) teaches the flat ring blind to the
-hierarchy (2(P-1) network latencies, one NIC), NCCL's double binary tree and
-the two-level hierarchical all-reduce; this module's ring is what NCCL runs
-for large messages across nodes, and what every step-time estimate of the
-course uses (``helpers.costs``). All-to-all is chapter 07's "direct" model
+Chapter 07 prices its all-reduces with this module (NCCL's ring, the scattered
+ring, the hierarchical all-reduce composed from rings) next to
+``helpers.topology.cost``'s tree and its one-channel ring (the ring chapter
+03 builds, which the chapter times on real ranks); chapter 09's TP and
+chapter 10's context parallelism use it too, and so does every step-time
+estimate of the course (``helpers.costs``). All-to-all is chapter 07's "direct" model
 (every pair at once, NVLink or the node's NICs, whichever is slower),
 evaluated on the axis's group. A point-to-point hop (pipeline stages) is one
 message on the slowest link it crosses, the NIC shared by the GPUs of the node
