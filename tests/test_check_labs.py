@@ -118,6 +118,9 @@ def test_the_table_says_what_each_mark_means():
     assert text[1].split() == ["ana", "pass", "FAIL"]
     assert text[2].split() == ["ben", "-"]  # ben has no row for g at all
     assert "  ana 01:g: fail: g returned 3, expected 4" in text
+    two = check_labs.table(results + [check_labs.Result("ben", "02_y_lab.ipynb", "02", "h", "pass")])
+    blocks = two.split("\n\n")  # a block per chapter: ana has nothing in chapter 02
+    assert blocks[1].splitlines() == ["learner 02:h", "ben     pass"]
 
 
 def test_a_folder_that_is_not_there_is_named(tmp_path, capsys):

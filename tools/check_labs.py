@@ -322,17 +322,24 @@ def check_folder(folder: pathlib.Path, timeout: float = 600, exercise_timeout: f
 
 
 def table(results: list[Result]) -> str:
-    """Learners down, exercises across; a fail's reason listed under the table."""
-    columns = list(dict.fromkeys(r.column for r in results))
+    """Learners down, exercises across, one block per chapter (a room's 60
+    exercises side by side would not fit a terminal); fail reasons listed below."""
     rows = list(dict.fromkeys(r.learner for r in results))
     cell = {(r.learner, r.column): r for r in results}
     short = {"pass": "pass", "not attempted": "-", "fail": "FAIL", "timeout": "TIME"}
     width = max([len("learner")] + [len(r) for r in rows])
-    lines = [" ".join(["learner".ljust(width)] + columns)]
-    for learner in rows:
-        marks = [short.get(cell[learner, c].status, "?") if (learner, c) in cell else ""
-                 for c in columns]
-        lines.append(" ".join([learner.ljust(width)] + [m.ljust(len(c)) for m, c in zip(marks, columns)]))
+    lines = []
+    for ch in dict.fromkeys(r.chapter for r in results):
+        columns = list(dict.fromkeys(r.column for r in results if r.chapter == ch))
+        lines.append(" ".join(["learner".ljust(width)] + columns))
+        for learner in rows:
+            if not any((learner, c) in cell for c in columns):
+                continue
+            marks = [short.get(cell[learner, c].status, "?") if (learner, c) in cell else ""
+                     for c in columns]
+            lines.append(" ".join([learner.ljust(width)] +
+                                  [m.ljust(len(c)) for m, c in zip(marks, columns)]).rstrip())
+        lines.append("")
     lines.append("pass = check passed, - = not attempted, FAIL = failed, TIME = timed out")
     for r in results:
         if r.status in ("fail", "timeout"):
