@@ -30,6 +30,12 @@ def _no_error(world, g):  # silently drops the ranks that do not fill a node
     return grid.tolist(), grid.t().tolist()
 
 
+def _assert_refusal(world, g):  # refuses with an assert, not a ValueError
+    assert world % g == 0, "does not fill"
+    grid = torch.arange(world).view(world // g, g)
+    return grid.tolist(), grid.t().tolist()
+
+
 # ---- plausible mistakes in the all-reduce (run on 4 ranks)
 
 def _flat(x, intra, inter, wire):  # a flat ring over the world, passed off as hierarchical
@@ -98,6 +104,8 @@ class TestChapter07(ChapterChecks):
               says="not consecutive ranks"),
         Wrong("node_layout", _no_error, "drops the ranks that do not fill a node",
               says="should raise ValueError"),
+        Wrong("node_layout", _assert_refusal, "refuses with an assert",
+              says="raised AssertionError"),
         Wrong("hierarchical", _flat, "a flat ring over the world", says="exactly a flat ring"),
         Wrong("hierarchical", _whole_tensor_across, "all of x across nodes",
               says="only the chunk"),

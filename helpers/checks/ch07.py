@@ -62,6 +62,10 @@ def check_node_layout(node_layout) -> None:
         pass
     except NotImplementedError:
         raise CheckFailed("node_layout is not implemented yet") from None
+    except Exception as exc:  # noqa: BLE001 - the learner's error, explained
+        raise CheckFailed(f"node_layout(6, 4) raised {type(exc).__name__}: {exc}; 6 ranks do "
+                          f"not fill nodes of 4 GPUs: raise ValueError naming that constraint"
+                          ) from None
     else:
         raise CheckFailed("node_layout(6, 4) should raise ValueError: 6 ranks do not fill "
                           "nodes of 4 GPUs (say so before any rank starts a collective)")
