@@ -153,18 +153,20 @@ def _ranked_training(dp_step):
 def _reference_training(dtype: torch.dtype, world: int) -> tuple[dict, list]:
     """One process, the whole global batch, STEPS steps, in ``dtype``; and before each
     step, the loss of each rank's slice (what each rank's dp_step returns)."""
-    from helpers.model import build_model
+    from helpers.model import build_model, lm_loss
 
     ref = build_model("toy", seed=0).to(dtype)
     opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     slice_losses = []
     for x, y in _data(world, steps=STEPS):
         b = x.size(0) // world
-        with torch.no_grad():
-            slice_losses.append([ref(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1]
-                                 for r in range(world)])
         opt.zero_grad()
-        ref(x, y)[1].backward()
+        logits, loss = ref(x, y)
+        # each rank's loss from the same forward (one forward, not one per rank: the
+        # check runs in the learner's kernel): the slice's rows of the logits
+        slice_losses.append([lm_loss(logits[r * b:(r + 1) * b].detach(), y[r * b:(r + 1) * b])
+                             for r in range(world)])
+        loss.backward()
         opt.step()
     return ref.state_dict(), slice_losses
 
