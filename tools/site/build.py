@@ -128,7 +128,14 @@ def stage() -> dict[str, list[str]]:
             toc.append(f"{folder}/{extra.stem}")
     write_api(sorted(modules), used_by)
     index = nbformat.read(ROOT / "START_HERE.ipynb", as_version=4)
-    tree = "\n".join(["```{toctree}", ":hidden:", ":maxdepth: 1", ""] + toc + ["api/index", "```"])
+    captions = {"course": "Chapters", "labs": "Labs (exercises to fill in)",
+                "solutions": "Solutions (answers folded)"}
+    tree = "\n\n".join(
+        "\n".join(["```{toctree}", ":hidden:", ":maxdepth: 1", f":caption: {caption}", ""]
+                  + [d for d in toc if d.startswith(folder + "/")] + ["```"])
+        for folder, caption in captions.items())
+    tree += "\n\n" + "\n".join(["```{toctree}", ":hidden:", ":caption: Reference", "",
+                                 "api/index", "```"])
     index.cells.append(nbformat.v4.new_markdown_cell(
         "The documentation of every `helpers` module, from its docstrings: "
         "[the helpers package](api/index.rst).\n\n" + tree))
