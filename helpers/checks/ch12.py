@@ -128,7 +128,9 @@ def _executor_rank(schedule):
 
     torch.set_num_threads(1)
     info = rank_info()
-    chunks = split_model(build_model("toy", n_layer=RANKS_LAYERS), info.world_size)[info.rank]
+    # the chunks on this rank's device: the executor allocates its buffers there
+    chunks = [c.to(info.device) for c in
+              split_model(build_model("toy", n_layer=RANKS_LAYERS), info.world_size)[info.rank]]
     x, y = (t.to(info.device) for t in _batch())
     res = pipeline_step(chunks, schedule, x, y)
     return res.loss, chunk_grads(chunks), res.peak_stash
