@@ -37,7 +37,8 @@ def test_failing_check_shows_message_expected_and_got_only(shell, capsys):
 def test_stub_shows_not_implemented_without_frames(shell, capsys):
     out = shown(shell, capsys, "def f(w, o):\n    raise NotImplementedError('Exercise: add bytes')\n"
                                "ch01.check_bytes_per_param(f)")
-    assert "✗ check failed: bytes_per_param is not implemented yet (Exercise: add bytes)" in out
+    assert ("✗ check failed: bytes_per_param('fp32', 'adam') is not implemented yet "
+            "(Exercise: add bytes)") in out
     assert "Traceback" not in out and "helpers/checks" not in out
 
 
