@@ -1,8 +1,9 @@
 """make site (tools/site/build.py): the course as a static site, from the committed outputs.
 
 The site is built once per session, by the same script as `make site`
-(``sphinx-build -W``: any warning, a cross-reference that resolves nowhere
-included, fails the build). Then every page is read back: each internal link
+(``sphinx-build -W`` with ``nitpicky``: any warning, a cross-reference that
+resolves nowhere included, fails the build; tools/site/conf.py lists the two
+kinds of target exempted and why). Then every page is read back: each internal link
 and image points at a file (and an anchor) that exists, no page shows a
 traceback or a reST error, every chapter page holds as many pictures as its
 notebook's outputs, the solutions' answers are folded, each chapter links the

@@ -33,11 +33,19 @@ nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json
 
 # Each page documents what its module defines; a package's re-exports are
 # documented once, on the page of the module that defines them.
-autodoc_default_options = {"members": True, "show-inheritance": True, "ignore-module-all": True}
+autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True,
+                           "ignore-module-all": True}
 autodoc_inherit_docstrings = False  # torch.autograd.Function's docs belong to torch's site
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # signatures as written; forward refs need no resolution
 add_module_names = False
+
+# Every cross-reference must resolve (a class's bases included), except two kinds
+# that have no page here by design: torch's classes (torch's own site documents
+# them; linking it would need intersphinx, i.e. the network at build time) and
+# the helpers' private base classes (a leading underscore: not an API).
+nitpicky = True
+nitpick_ignore_regex = [("py:class", r"torch\..*"), ("py:class", r"helpers\..*\._\w+")]
 
 html_theme = "alabaster"
 html_title = project
