@@ -398,3 +398,19 @@ def test_a_broadcast_from_different_roots_is_a_mismatch():
     records[0][0].root, records[1][0].root = 0, 1
     f = first_disagreement(records)
     assert f.kind == "mismatch" and f.ranks == [1] and "broadcast [4] float32 from rank 1" in f.text
+
+
+def test_a_gpu_call_that_returned_but_never_completed_is_named_so():
+    # Under nccl a collective returns once queued; the recorder then sends
+    # ("returned", seq, t) and ("end", ...) only when its CUDA event completes.
+    from helpers.debug.diff import assemble
+    r0 = rec(0, 0, end=None)
+    records = assemble({0: [("call", r0), ("returned", 0, 12.5)]})
+    assert records[0][0].returned == 12.5 and records[0][0].end is None
+    assert records[0][0].state == "scheduled, not completed"
+    f = first_disagreement(records)
+    assert f.kind == "hung" and f.ranks == [0]
+    assert "never completed (it returned: queued on the GPU)" in f.text
+    # the same call without the "returned" event: the host is still inside it
+    f = first_disagreement(assemble({0: [("call", rec(0, 0, end=None))]}))
+    assert "never returned" in f.text and "queued" not in f.text

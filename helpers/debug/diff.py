@@ -57,7 +57,8 @@ class Finding:
 
 
 def assemble(events: dict[int, list[tuple]]) -> dict[int, list[CallRecord]]:
-    """Per-rank records from the recorded events ("call", rec) / ("end", seq, t)."""
+    """Per-rank records from the recorded events ("call", rec) / ("end", seq, t, outcome)
+    / ("returned", seq, t): on a GPU a call returns (queued) before it completes."""
     out: dict[int, list[CallRecord]] = {}
     for rank, evs in events.items():
         by_seq: dict[int, CallRecord] = {}
@@ -66,6 +67,8 @@ def assemble(events: dict[int, list[tuple]]) -> dict[int, list[CallRecord]]:
                 by_seq[ev[1].seq] = ev[1]
             elif ev[0] == "end" and ev[1] in by_seq:
                 by_seq[ev[1]].end, by_seq[ev[1]].outcome = ev[2], ev[3]
+            elif ev[0] == "returned" and ev[1] in by_seq:
+                by_seq[ev[1]].returned = ev[2]
         out[rank] = [by_seq[s] for s in sorted(by_seq)]
     return out
 
@@ -89,13 +92,19 @@ def _by_group(records: dict[int, list[CallRecord]]) -> dict[tuple, dict[int, lis
     return groups
 
 
+def _completed_or_returned(rec: CallRecord) -> str:
+    """'completed' for a call the host saw return (queued on a GPU) that the GPU never
+    finished; 'returned' for one the host is still inside."""
+    return "completed (it returned: queued on the GPU)" if rec.returned is not None else "returned"
+
+
 def _after(rank: int, records, status) -> str:
     """What became of a rank after its last record."""
     calls = records.get(rank, [])
     last = calls[-1] if calls else None
     if last is not None and last.end is None:
         return f"it is stuck in its call #{last.seq} ({last.describe()} at " \
-               f"{describe_where(last.where)}), which never returned"
+               f"{describe_where(last.where)}), which never {_completed_or_returned(last)}"
     said = (status or {}).get(rank)
     return f"then it {said}" if said else "then it made no further call"
 
@@ -191,7 +200,7 @@ def first_disagreement(records: dict[int, list[CallRecord]],
         first = min(hung, key=lambda c: c.start)
         return Finding("hung", [first.rank], {first.rank: first},
                        f"every rank agrees, but rank {first.rank}'s {_call(first)}, "
-                       f"never returned")
+                       f"never {_completed_or_returned(first)}")
     return None
 
 
