@@ -115,7 +115,8 @@ def _stage_loop_rank(run_stage, n_layer):
     torch.set_num_threads(1)
     info = rank_info()
     stage = split_model(build_model("toy", n_layer=n_layer), info.world_size)[info.rank][0]
-    x, y = _batch()
+    # the model lands on the rank's device (build_model's default): the batch goes there too
+    x, y = (t.to(info.device) for t in _batch())
     loss = run_stage(stage, x, y)
     # the lab states a float on the last stage, None elsewhere: keep the type's name
     kind = type(loss).__name__
