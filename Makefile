@@ -95,7 +95,8 @@ normalize: setup
 # Needs Chromium from the system (Debian/Ubuntu: sudo apt-get install chromium).
 test-browser: setup
 	$(BIN)/python -m pip install -q -e ".[browser]"
-	$(BIN)/python -m pytest tests/test_browser.py -p no:cacheprovider -v -rs
+	$(BIN)/python -m pip install -q -e ".[site]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
+	$(BIN)/python -m pytest tests/test_browser.py tests/test_site.py -m browser -p no:cacheprovider -v -rs
 
 test: setup
 	$(BIN)/python tools/lock.py versions
