@@ -11,7 +11,10 @@
                      scores and their product with V, 4 s h per token per layer
                      (Korthikanti et al. 2022, sec. 5)
     compute          hardware FLOPs spread evenly over every GPU, at an achieved
-                     rate (peak x matmul efficiency, or an assumed MFU)
+                     rate (peak x matmul efficiency, or an assumed MFU); or, given
+                     a measured rate for the layers' weight GEMMs (``helpers.costs.gemm``),
+                     those FLOPs at it and the rest (attention's score and
+                     score-times-V matmuls, the output layer) at the assumed rate
     bubble           fill and drain of the pipeline: (p-1)/(v m + p-1) of the step
                      (chapter 12's ``bubble_formula``), so compute x (p-1)/(v m)
 """
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
     from helpers.modelspec import ModelSpec
 
 __all__ = ["flops_per_token", "model_flops_per_step", "hardware_flops_per_step",
-           "recompute_factor", "compute_time", "bubble_time"]
+           "weight_gemm_flops_per_step", "recompute_factor", "compute_time", "bubble_time"]
 
 
 def flops_per_token(model: "ModelSpec") -> float:
@@ -58,6 +61,20 @@ def hardware_flops_per_step(model: "ModelSpec", global_batch: int, recompute: st
     return model_flops_per_step(model, global_batch) + extra * tokens
 
 
+@functools.lru_cache(maxsize=None)
+def weight_gemm_flops_per_step(model: "ModelSpec", global_batch: int, recompute: str) -> float:
+    """The part of ``hardware_flops_per_step`` in the layers' weight GEMMs (QKV,
+    attention-out, MLP up and down: 2 FLOPs per weight a token meets, the top_k
+    experts of an MoE layer): three passes, four with full recompute (its re-run
+    forward). Selective recompute re-runs only attention's own matmuls, which are
+    not weight GEMMs. The rest of the executed FLOPs is attention's score and
+    score-times-V matmuls and the output layer."""
+    active_mlp = model.mlp_params() * (model.top_k if model.experts else 1)
+    per_token = 2 * (model.attention_params() + active_mlp) * model.layers
+    passes = 4 if recompute == "full" else 3
+    return passes * per_token * model.seq * global_batch
+
+
 def recompute_factor(model: "ModelSpec", recompute: str) -> float:
     """Executed FLOPs / model FLOPs: 1 without recompute, below 4/3 with full (the
     output layer is not re-run)."""
@@ -65,11 +82,22 @@ def recompute_factor(model: "ModelSpec", recompute: str) -> float:
 
 
 def compute_time(model: "ModelSpec", global_batch: int, recompute: str, gpus: int,
-                 flops_per_gpu: float) -> float:
-    """Seconds of the step's matmuls: hardware FLOPs / (GPUs x achieved FLOP/s each)."""
-    if not flops_per_gpu > 0:
-        raise ValueError(f"flops_per_gpu must be > 0, got {flops_per_gpu!r}")
-    return hardware_flops_per_step(model, global_batch, recompute) / (gpus * flops_per_gpu)
+                 flops_per_gpu: float, gemm_flops_per_gpu: float | None = None) -> float:
+    """Seconds of the step's matmuls: hardware FLOPs / (GPUs x achieved FLOP/s each).
+
+    ``gemm_flops_per_gpu``: None prices every FLOP at ``flops_per_gpu``. Given (a
+    measured rate for this layout's GEMM shapes, ``helpers.costs.gemm``), the
+    layers' weight GEMMs (``weight_gemm_flops_per_step``) run at it and only the
+    rest at ``flops_per_gpu``, which is then an assumed rate for attention's own
+    matmuls and the output layer."""
+    for name, v in (("flops_per_gpu", flops_per_gpu), ("gemm_flops_per_gpu", gemm_flops_per_gpu)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+    executed = hardware_flops_per_step(model, global_batch, recompute)
+    if gemm_flops_per_gpu is None:
+        return executed / (gpus * flops_per_gpu)
+    gemm = weight_gemm_flops_per_step(model, global_batch, recompute)
+    return (gemm / gemm_flops_per_gpu + (executed - gemm) / flops_per_gpu) / gpus
 
 
 def bubble_time(compute: float, pp: int, micro_batches: int, interleave: int = 1) -> float:

@@ -63,7 +63,9 @@ class GemmRow:
     fp8: float
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: a table is itself (hashed by identity), so caches keyed on it (the
+# planner's, per TP size and micro-batch) do not hash every row on each lookup
+@dataclasses.dataclass(frozen=True, eq=False)
 class GemmTable:
     gpu: str
     torch: str

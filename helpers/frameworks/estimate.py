@@ -37,7 +37,10 @@ step time
     compute   hardware FLOPs (Narayanan et al. 2021, sec. 5.1, eq. 3: 96 B s l h^2
               (1 + s/6h + V/16lh) with full recompute, 3/4 of the layer part
               without, plus the recomputed attention with selective) / GPUs /
-              (peak x matmul efficiency)
+              (peak x matmul efficiency); with a measured ``gemm_table``, the
+              layers' weight GEMMs at the efficiency measured for the plan's
+              TP size and micro-batch tokens, the rest (attention's matmuls, the
+              output layer) at the cluster's assumed matmul efficiency
     bubble    compute x (p-1) / (v m) (chapter 12's ``bubble_formula``)
     exposed   communication not hidden: TP, PP, CP and EP always; DP beyond what
               overlap hides behind the last micro-batch's backward / the first
@@ -56,6 +59,7 @@ import dataclasses
 
 from helpers import costs
 from helpers.costs import hardware_flops_per_step, model_flops_per_step
+from helpers.costs.gemm import GemmTable, matmul_efficiency
 from helpers.frameworks.plan import Cluster, ModelSpec, Plan
 from helpers.memory import GB
 
@@ -161,8 +165,15 @@ def narayanan_training_days(tokens: float, params: float, gpus: int, flops_per_g
 # The estimate
 # ---------------------------------------------------------------------------
 
-def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
-    """Memory, communication and step time of ``plan`` for ``model`` on ``cluster``."""
+def estimate(plan: Plan, model: ModelSpec, cluster: Cluster,
+             gemm_table: GemmTable | None = None) -> Estimate:
+    """Memory, communication and step time of ``plan`` for ``model`` on ``cluster``.
+
+    ``gemm_table`` (``GemmTable.load("h100")``): price the layers' weight GEMMs at
+    the efficiency measured for this plan's shapes instead of the cluster's assumed
+    ``matmul_efficiency``, which then prices only attention's matmuls and the output
+    layer. The table measures GEMMs alone: memory-bound kernels and attention are
+    not in it, so the MFU it gives is an upper side of what the plan achieves."""
     plan.validate(cluster.world_size, model)
     p, m, topo = plan, model, cluster.topology
     s_local = m.seq // p.cp                               # tokens of a sequence on one rank
@@ -196,8 +207,16 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
 
     # -- compute ---------------------------------------------------------------
     micro = p.grad_accum
+    gemm_eff = None
+    if gemm_table is not None:
+        if m.experts:
+            raise ValueError(f"the measured GEMM table prices dense layers; {m.name} has "
+                             f"{m.experts} experts")
+        gemm_eff = matmul_efficiency(m, p.tp, s_local * p.micro_batch, gemm_table,
+                                     cluster.peak_flops)
     compute = costs.compute_time(m, p.sequences_per_step, p.recompute, cluster.world_size,
-                                 cluster.peak_flops * cluster.matmul_efficiency)
+                                 cluster.peak_flops * cluster.matmul_efficiency,
+                                 None if gemm_eff is None else cluster.peak_flops * gemm_eff)
     bubble = costs.bubble_time(compute, p.pp, micro, p.vpp)
 
     # -- communication, per axis -------------------------------------------------
@@ -228,8 +247,10 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster) -> Estimate:
 
     # -- step time -------------------------------------------------------------
     flops = hardware_flops_per_step(m, p.sequences_per_step, p.recompute)
-    time = [Term("compute", compute, "01, 09, 13",
-                 f"{flops / 1e15:,.0f} PFLOP at {cluster.matmul_efficiency:.0%} of peak"),
+    rate = (f"{cluster.matmul_efficiency:.0%} of peak" if gemm_eff is None else
+            f"layer GEMMs {gemm_eff:.0%} of peak (measured), the rest "
+            f"{cluster.matmul_efficiency:.0%} (assumed)")
+    time = [Term("compute", compute, "01, 09, 13", f"{flops / 1e15:,.0f} PFLOP at {rate}"),
             Term("pipeline bubble", bubble, "12", f"(p-1)/(v m) with m={micro}, v={p.vpp}"),
             Term("tp (exposed)", axes["tp"].exposed, "09", "between matmuls, not overlapped"),
             Term("dp (exposed)", axes["dp"].exposed, "16",

@@ -57,9 +57,14 @@ depends on, so the enumeration costs well under a second of CPU
 
 Cost and how production differs
 --------------------------------
-This is a model with an assumed MFU, not a measurement. What it leaves out:
-kernel efficiency that falls with smaller micro-batches or thinner TP shards
-(so it likes micro-batch 1 more than practice does), activations of SwiGLU and
+This is a model with an assumed MFU, not a measurement. What it leaves out by
+default: kernel efficiency that falls with smaller micro-batches or thinner TP
+shards (so it likes micro-batch 1 more than practice does). ``plan(...,
+gemm_table="h100")`` puts that back for the layers' weight GEMMs, from
+throughput measured on one H100 (``helpers.costs.gemm``), and keeps the assumed
+MFU for attention's own matmuls and the output layer; memory-bound kernels
+(norms, activations, softmax, the optimizer) stay unpriced either way, so the
+MFU it gives runs above what a real step reaches. Also left out: activations of SwiGLU and
 MoE layers (Korthikanti's count is a GPT layer's), uneven stages beyond the
 embedding/loss rule, ZeRO-3's gathered-weight buffers, communication that
 contends with compute or with other axes on the same NIC, the memory real

@@ -10,7 +10,10 @@ reduction overlapped with the backward, ZeRO-3's weight gathers prefetched
 (the choices ``Layout.to_plan`` writes into a ``Plan``).
 
     compute        executed FLOPs at an assumed MFU (ch. 01, 13; Narayanan et al.
-                   2021 eq. 3): ``costs.compute_time``
+                   2021 eq. 3): ``costs.compute_time``; with a measured GEMM
+                   table, the layers' weight GEMMs at the efficiency measured
+                   for this layout's shapes (``gemm_efficiency``) and only the
+                   rest at the assumed MFU
     bubble         fill and drain, (p-1)/(v m) of the compute (ch. 11-12)
     tp_comm        4 all-reduces per layer per micro-batch (6 with full
                    recompute) inside the node (ch. 07-09)
@@ -35,14 +38,17 @@ seconds per step, by term, as the list above.
 
 from __future__ import annotations
 
+import functools
+
 from helpers import costs
 from helpers.costs import flops_per_token, stage_layers
+from helpers.costs.gemm import GemmTable, matmul_efficiency
 from helpers.frameworks.plan import GPU, ModelSpec
 from helpers.planner.layouts import Layout, overlap_flags
 from helpers.topology.links import Topology
 
 __all__ = ["BF16", "flops_per_token", "stage_layers", "memory_terms", "time_terms",
-           "overlap"]
+           "overlap", "gemm_efficiency"]
 
 BF16 = 2  # bytes of an activation, weight or gradient on the wire
 
@@ -73,15 +79,37 @@ def memory_terms(model: ModelSpec, lay: Layout) -> tuple:
     return w, g, o, act
 
 
+@functools.lru_cache(maxsize=None)
+def gemm_efficiency(model: ModelSpec, tp: int, tokens: int, table: GemmTable,
+                    peak_flops: float) -> float:
+    """Measured share of peak of one layer's four weight GEMMs on a TP rank that
+    multiplies ``tokens`` rows (``costs.gemm.matmul_efficiency``), cached: a
+    search asks for the same (tp, tokens) thousands of times.
+
+    What it leaves out, and so why a layout's MFU stays below it: the memory-bound
+    work between the GEMMs (norms, activations, softmax, rotary embeddings, the
+    optimizer step), attention's own kernels (priced at the assumed MFU instead),
+    and the backward GEMMs' own shapes (priced at the forward shape's rate)."""
+    return matmul_efficiency(model, tp, tokens, table, peak_flops)
+
+
 def time_terms(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topology,
-               mfu: float) -> dict:
-    """Seconds per step, by term (see the module docstring)."""
+               mfu: float, gemm_table: GemmTable | None = None) -> dict:
+    """Seconds per step, by term (see the module docstring). ``mfu``: the assumed
+    share of peak of every executed FLOP, or, with ``gemm_table``, of the FLOPs
+    outside the layers' weight GEMMs (attention's score matmuls, the output layer),
+    the GEMMs running at ``gemm_efficiency`` for this layout's TP size and tokens
+    per micro-batch (micro-batch x seq / cp)."""
     m = global_batch // lay.dp // lay.micro_batch          # micro-batches per replica
     layers = stage_layers(model, lay.pp)
     tokens = lay.micro_batch * (model.seq // lay.cp)       # one micro-batch on a CP rank
     sp = lay.tp > 1
+    gemm_rate = None
+    if gemm_table is not None:
+        gemm_rate = gpu.peak_flops * gemm_efficiency(model, lay.tp, tokens, gemm_table,
+                                                     gpu.peak_flops)
     compute = costs.compute_time(model, global_batch, lay.recompute, lay.world,
-                                 gpu.peak_flops * mfu)
+                                 gpu.peak_flops * mfu, gemm_rate)
     tp = costs.tp_cost(topo, tp=lay.tp, tokens=tokens, hidden=model.hidden, layers=layers,
                        micro_batches=m, recompute=lay.recompute, dtype_bytes=BF16)
     pp = costs.pp_cost(topo, tp=lay.tp, cp=lay.cp, dp=lay.dp, pp=lay.pp,

@@ -132,6 +132,7 @@ class Candidate:
     memory: dict = dataclasses.field(default_factory=dict)   # bytes per GPU, by term
     time: dict = dataclasses.field(default_factory=dict)     # seconds per step, by term
     mfu: float = 0.0         # model FLOPs (no recompute) / (step time x peak), per GPU
+    gemm_efficiency: float | None = None   # measured share of peak of its weight GEMMs
     step_time: float = 0.0   # sum of ``time``
     memory_total: float = 0.0  # sum of ``memory``
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from helpers.costs.gemm import GemmTable
 from helpers.frameworks.plan import GPU, ModelSpec
 from helpers.memory import GB
 from helpers.planner.layouts import CHAPTER, MEMORY_TERMS, TERMS, Candidate
@@ -35,6 +36,7 @@ class Ranking:
     mfu: float
     ranked: list[Candidate]
     rejected: list[Candidate]
+    gemm_table: GemmTable | None = None   # measured GEMM rates, or None: all at ``mfu``
 
     @property
     def best(self) -> Candidate:
@@ -97,8 +99,14 @@ class Ranking:
         lines.append(f"  memory per GPU {e.memory_total / GB:6.1f} GB of {self.gpu.memory / GB:g}:")
         for t in MEMORY_TERMS:
             lines.append(f"    {t:<12}{e.memory[t] / GB:8.2f} GB   (ch. {CHAPTER[t]})")
-        lines.append(f"  step time {e.step_time:.3f} s (MFU {e.mfu:.1%}, model FLOPs; the "
-                     f"matmuls assumed at {self.mfu:.0%} of peak on the FLOPs executed):")
+        if self.gemm_table is None:
+            lines.append(f"  step time {e.step_time:.3f} s (MFU {e.mfu:.1%}, model FLOPs; the "
+                         f"matmuls assumed at {self.mfu:.0%} of peak on the FLOPs executed):")
+        else:
+            lines.append(f"  step time {e.step_time:.3f} s (MFU {e.mfu:.1%}, model FLOPs; layer "
+                         f"GEMMs at {e.gemm_efficiency:.0%} of peak, measured on "
+                         f"{self.gemm_table.gpu}; attention and output layer assumed at "
+                         f"{self.mfu:.0%}):")
         for t in TERMS:
             if e.time[t] or t in ("compute", "bubble", "dp_comm"):
                 share = e.time[t] / e.step_time

@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from helpers.costs.gemm import GemmTable
 from helpers.frameworks.plan import GPU, ModelSpec
 from helpers.memory import GB
-from helpers.planner.cost import flops_per_token, memory_terms, stage_layers, time_terms
+from helpers.planner.cost import (flops_per_token, gemm_efficiency, memory_terms, stage_layers,
+                                  time_terms)
 from helpers.planner.layouts import MEMORY_TERMS, Candidate, Layout
 from helpers.planner.rank import Ranking
 from helpers.recompute import RECOMPUTE_MODES
@@ -77,10 +79,13 @@ def _variant_rule(model: ModelSpec, lay: Layout, global_batch: int) -> tuple[str
 
 
 def evaluate(model: ModelSpec, layout: Layout, global_batch: int, gpu: GPU, topology: Topology,
-             *, mfu: float = 0.5, memory_fraction: float = 0.9) -> Candidate:
+             *, mfu: float = 0.5, memory_fraction: float = 0.9,
+             gemm_table: GemmTable | str | None = None) -> Candidate:
     """Check one layout and estimate it: the reason it is rejected, or its memory
     and step-time terms. ``memory_fraction``: the share of GPU memory the model may
-    use (the rest: CUDA context, communication buffers, fragmentation; ch. 06)."""
+    use (the rest: CUDA context, communication buffers, fragmentation; ch. 06).
+    ``gemm_table``: see ``plan``."""
+    gemm_table = _gemm_table(gemm_table, model, gpu)
     if layout.world != topology.world_size:
         return Candidate(layout, f"dp x tp x pp x cp = {layout.world} is not the "
                                 f"{topology.world_size} GPUs of the cluster", "world")
@@ -97,10 +102,32 @@ def evaluate(model: ModelSpec, layout: Layout, global_batch: int, gpu: GPU, topo
                                 f"usable; largest term: {big} {mem[big] / GB:.1f} GB",
                         "memory", mem)
     est = Candidate(layout, "", "", mem,
-                    time_terms(model, layout, global_batch, gpu, topology, mfu))
+                    time_terms(model, layout, global_batch, gpu, topology, mfu, gemm_table))
+    if gemm_table is not None:
+        tokens = layout.micro_batch * (model.seq // layout.cp)
+        est.gemm_efficiency = gemm_efficiency(model, layout.tp, tokens, gemm_table,
+                                              gpu.peak_flops)
     model_flops = flops_per_token(model) * global_batch * model.seq / layout.world
     est.mfu = model_flops / (est.step_time * gpu.peak_flops)
     return est
+
+
+def _gemm_table(table: GemmTable | str | None, model: ModelSpec, gpu: GPU) -> GemmTable | None:
+    """The table ``plan`` prices GEMMs with, checked: measured on this GPU, for a dense model."""
+    if table is None:
+        return None
+    if isinstance(table, str):
+        table = GemmTable.load(table)        # names the tables there are if there is none
+    if not isinstance(table, GemmTable):
+        raise TypeError(f"gemm_table must be a GemmTable or a table's name, "
+                        f"got {type(table).__name__}")
+    if gpu.name.split()[0] not in table.gpu.split():
+        raise ValueError(f"the GEMM table was measured on {table.gpu}, not {gpu.name}: "
+                         f"measure one on that GPU with benchmarks/bench_gemm.py")
+    if model.experts:
+        raise ValueError(f"the measured GEMM table prices dense layers; {model.name} has "
+                         f"{model.experts} experts (plan it without gemm_table)")
+    return table
 
 
 # ---------------------------------------------------------------------------
@@ -138,7 +165,8 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
          zero_stages: Iterable[int] = (0, 1, 2, 3), recomputes: Iterable[str] = RECOMPUTE_MODES,
          micro_batches: Iterable[int] = (1, 2, 4, 8), interleaves: Iterable[int] = (1, 2, 4, 8),
          tp_sizes: Iterable[int] | None = None, pp_sizes: Iterable[int] | None = None,
-         cp_sizes: Iterable[int] | None = None, ep_sizes: Iterable[int] | None = None) -> Ranking:
+         cp_sizes: Iterable[int] | None = None, ep_sizes: Iterable[int] | None = None,
+         gemm_table: GemmTable | str | None = None) -> Ranking:
     """Enumerate, check, estimate and rank every layout.
 
     ``global_batch`` in sequences of ``model.seq`` tokens. ``mfu``: the share of
@@ -148,8 +176,22 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
     fastest rank by simplicity (``Layout.complexity``): an assumed MFU does not
     resolve differences of a percent or two, so within that the smaller
     structure wins. A structure that breaks a shape rule is rejected once, with
-    its first variant's choices; variants are rejected one by one."""
+    its first variant's choices; variants are rejected one by one.
+
+    ``gemm_table``: a measured ``helpers.costs.gemm.GemmTable`` (e.g.
+    ``GemmTable.load("h100")``, or its name, ``"h100"``), measured on ``gpu``. None (the default) prices every FLOP at ``mfu``.
+    Given, each layout's layer GEMMs run at the efficiency measured for its shapes
+    (its TP size, and micro-batch x seq / cp tokens per micro-batch), so thin TP
+    shards and small micro-batches cost what they cost on that GPU, and ``mfu``
+    becomes the *assumed* rate of the FLOPs the table does not measure: attention's
+    score and score-times-V matmuls and the output layer. The measured efficiency
+    is of the GEMMs alone: memory-bound work between them (norms, activations,
+    softmax, the optimizer step) is not priced at all, so a layout's MFU from it
+    overshoots what the same layout achieves in practice. Dense models only (an
+    MoE layer's expert GEMMs see a routed share of the tokens, which the table's
+    shapes do not describe)."""
     positive_int("global_batch (sequences)", global_batch)
+    gemm_table = _gemm_table(gemm_table, model, gpu)
     for name, v in (("mfu", mfu), ("memory_fraction", memory_fraction)):
         if not 0 < v <= 1:
             raise ValueError(f"{name} must be in (0, 1], got {v!r}")
@@ -182,7 +224,8 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
                 for v in vs:
                     for mb in sorted(micro_batches):
                         e = evaluate(model, Layout(*st, z, r, mb, v), global_batch, gpu,
-                                     topology, mfu=mfu, memory_fraction=memory_fraction)
+                                     topology, mfu=mfu, memory_fraction=memory_fraction,
+                                     gemm_table=gemm_table)
                         (ranked if e.feasible else rejected).append(e)
                         if e.rule == "memory":
                             break   # activations grow with the micro-batch: larger ones fail too
@@ -193,7 +236,7 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
                                        e.layout.complexity(), e.step_time))
         else:
             ranked.sort(key=lambda e: (e.step_time, e.layout.complexity()))
-    return Ranking(model, global_batch, gpu, topology, mfu, ranked, rejected)
+    return Ranking(model, global_batch, gpu, topology, mfu, ranked, rejected, gemm_table)
 
 
 # ---------------------------------------------------------------------------
