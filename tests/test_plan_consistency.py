@@ -21,6 +21,7 @@ import inspect
 import pytest
 
 from helpers import costs
+from helpers.costs.gemm import GemmTable
 from helpers.frameworks import Cluster, ModelSpec, Plan, estimate
 from helpers.planner import H100_80GB, Layout, evaluate
 from helpers.topology import h100_cluster
@@ -185,3 +186,23 @@ def test_layout_round_trip():
     assert Layout.from_plan(plan) == lay
     with pytest.raises(ValueError, match="not a multiple of dp x micro-batch"):
         lay.to_plan(100)
+
+
+@pytest.mark.parametrize("model,layout,global_batch,nodes",
+                         [c for c in CASES if not c[0].experts],
+                         ids=[i for i, c in zip(IDS, CASES) if not c[0].experts])
+def test_measured_gemm_table_prices_the_same_compute_in_both(model, layout, global_batch, nodes):
+    """With the measured H100 table, both price the layers' GEMMs at the rate measured
+    for the layout's TP size and micro-batch tokens: one call, the same floats."""
+    table = GemmTable.load("h100")
+    topo = h100_cluster(nodes)
+    cand = evaluate(model, layout, global_batch, H100_80GB, topo, mfu=0.5, memory_fraction=1.0,
+                    gemm_table=table)
+    est = estimate(layout.to_plan(global_batch), model,
+                   Cluster.of(H100_80GB, topo, matmul_efficiency=0.5), gemm_table=table)
+    time = {t.name: t.value for t in est.time}
+    for mine, theirs in TIME.items():
+        assert cand.time[mine] == time[theirs], mine
+    # and the table changed the compute: no measured GEMM of these shapes runs at exactly 50 %
+    plain, _ = _both(model, layout, global_batch, nodes)
+    assert cand.time["compute"] != plain.time["compute"]
