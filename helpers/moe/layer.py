@@ -103,16 +103,31 @@ class MoEStats:
     """What one forward of a MoE layer did on this rank."""
     tokens_per_expert: torch.Tensor  # (E,) routing choices per expert, before capacity
     kept: torch.Tensor               # (T, k) bool: choice fit in its expert's capacity
-    dropped: int                     # routing choices over capacity
     aux_loss: torch.Tensor           # Switch eq. 4, scalar with grad
     z_loss: torch.Tensor             # ST-MoE eq. 5, scalar with grad
     capacity: int | None             # slots per expert (None: unlimited)
     dispatch_bytes: int = 0          # sent to other ranks by the dispatch all-to-all
     combine_bytes: int = 0           # sent to other ranks by the combine all-to-all
     split_bytes: int = 0             # the split-size exchange
-    padding_bytes: int = 0           # padded mode: empty slots in the dispatch all-to-all
     send_splits: list = dataclasses.field(default_factory=list)  # rows to each rank
     recv_splits: list = dataclasses.field(default_factory=list)  # rows from each rank
+    remote_rows: torch.Tensor | None = None  # padded mode: kept rows sent to other ranks
+    row_bytes: int = 0                        # padded mode: bytes of one row
+
+    # Counts read on the host are properties, computed when read: inside the step they
+    # would make the CPU wait for the GPU once per layer (reading them afterwards costs
+    # that wait once, outside the step).
+    @property
+    def dropped(self) -> int:
+        """Routing choices over capacity."""
+        return int((~self.kept).sum())
+
+    @property
+    def padding_bytes(self) -> int:
+        """Padded mode: bytes of empty slots in the dispatch all-to-all (0 otherwise)."""
+        if self.remote_rows is None:
+            return 0
+        return self.dispatch_bytes - int(self.remote_rows) * self.row_bytes
 
 
 class MoELayer(nn.Module):
@@ -162,7 +177,7 @@ class MoELayer(nn.Module):
         kept = slots < C if C is not None else torch.ones_like(slots, dtype=torch.bool)
         stats = MoEStats(
             tokens_per_expert=torch.bincount(experts.reshape(-1), minlength=cfg.num_experts),
-            kept=kept, dropped=int((~kept).sum()), capacity=C,
+            kept=kept, capacity=C,
             aux_loss=load_balancing_loss(probs, experts, cfg.num_experts),
             z_loss=router_z_loss(logits))
 
@@ -215,8 +230,8 @@ class MoELayer(nn.Module):
             stats.send_splits, stats.recv_splits = n, n
             stats.dispatch_bytes = stats.combine_bytes = alltoall_bytes(n, self.ep_rank,
                                                                         row_bytes)
-            remote = int(((exp // El) != self.ep_rank).sum())          # kept rows leaving
-            stats.padding_bytes = stats.dispatch_bytes - remote * row_bytes
+            stats.remote_rows = ((exp // El) != self.ep_rank).sum()     # kept rows leaving
+            stats.row_bytes = row_bytes
             buf = all_to_all(buf.reshape(E * C, H), n, n, self.ep_group)  # (P * El * C, H)
             buf = buf.view(P, El, C, H).transpose(0, 1)                # (El, P, C, H)
         else:
@@ -232,6 +247,9 @@ class MoELayer(nn.Module):
     def _experts_ep(self, rows, counts, stats: MoEStats) -> torch.Tensor:
         P, El = self.cfg.ep_size, self.cfg.experts_per_rank
         recv_counts = exchange_splits(counts, self.ep_group)            # (P, E/P)
+        # The one host read a dropless dispatch cannot avoid: all_to_all takes its split
+        # sizes as Python ints (production dispatchers copy them to the host too, and
+        # choose where in the step to wait for that copy).
         send = counts.view(P, El).sum(1).tolist()                      # rows to each rank
         recv = recv_counts.sum(1).tolist()                             # rows from each rank
         row_bytes = rows.size(1) * rows.element_size()
