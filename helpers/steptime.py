@@ -25,6 +25,12 @@ Five bottlenecks show up as five shapes of that breakdown:
 The order of the tests matters: a straggler makes comm look large on the
 fast ranks, so the spread between ranks is checked before the largest part.
 
+To show a shape, a planted effect must dominate the step on whatever machine
+runs it: a 50 ms sleep is large next to a 5 ms GPU step and small next to a
+200 ms step on a loaded laptop. ``plant_bottlenecks`` therefore sizes each
+effect from a measured healthy step (and, for the gradient, from the measured
+cost of one extra megabyte of all-reduce).
+
 Each part is timed with ``helpers.clock``: on CPU with gloo every call is
 synchronous and the host clock measures it; on a GPU kernels and nccl
 collectives run after the call returns, so the part ends at a CUDA event on
@@ -45,7 +51,7 @@ from helpers.data import ShardedSampler, make_dataset
 from helpers.launch import rank_info
 from helpers.model import build_model
 
-__all__ = ["StepProfile", "dp_step_profile", "classify_bottleneck", "PARTS"]
+__all__ = ["StepProfile", "dp_step_profile", "classify_bottleneck", "plant_bottlenecks", "PARTS"]
 
 PARTS = ("data", "compute", "comm", "optimizer")
 
@@ -60,6 +66,7 @@ class StepProfile:
     optimizer: list[float]
     mem_frac: float = 0.0  # peak memory / device memory, the largest over ranks
     label: str = ""
+    grad_mb: float = 0.0   # megabytes all-reduced per step (model gradient + planted extra)
 
     def part(self, name: str) -> list[float]:
         return getattr(self, name)
@@ -75,7 +82,8 @@ class StepProfile:
     def from_ranks(cls, per_rank: list[dict], label: str = "") -> "StepProfile":
         """Build from ``launch(dp_step_profile, ...)``'s per-rank dicts."""
         return cls(*([r[p] for r in per_rank] for p in PARTS),
-                   mem_frac=max(r.get("mem_frac", 0.0) for r in per_rank), label=label)
+                   mem_frac=max(r.get("mem_frac", 0.0) for r in per_rank), label=label,
+                   grad_mb=per_rank[0].get("grad_mb", 0.0))
 
 
 def classify_bottleneck(profile: StepProfile) -> str:
@@ -87,6 +95,43 @@ def classify_bottleneck(profile: StepProfile) -> str:
         return "straggler-bound"
     largest = max(("data", "compute", "comm"), key=profile.mean)
     return {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}[largest]
+
+
+def plant_bottlenecks(healthy: StepProfile, probe: StepProfile, factor: float = 3.0,
+                      max_extra_mb: float = 8192.0) -> dict[str, dict]:
+    """``dp_step_profile`` knobs that make each planted effect ``factor`` times its rival.
+
+    healthy  a measured step without planted effects
+    probe    the same step with some ``extra_grad_mb``: the growth of the pure
+             transfer time (the smallest comm over ranks) between the two gives
+             the seconds per all-reduced megabyte on this machine and backend. The
+             healthy comm alone cannot: a tiny gradient's all-reduce is mostly
+             latency, so dividing it by the bytes overstates the cost per byte.
+    Returns {"slow loader": ..., "slow rank": ..., "big gradient": ...}. A sleep of
+    ``factor`` healthy steps outweighs every healthy part (each is at most one step);
+    the gradient grows until its transfer is predicted at ``factor`` x the slowest
+    rank's compute. Add the healthy run's own knobs (batch size, model size) to each.
+    """
+    if factor <= 1:
+        raise ValueError(f"factor must be > 1 for the planted effect to dominate, got {factor}")
+    d_mb = probe.grad_mb - healthy.grad_mb
+    d_s = min(probe.comm) - min(healthy.comm)
+    if d_mb <= 0:
+        raise ValueError(f"the probe must all-reduce more than the healthy step "
+                         f"({probe.grad_mb:.2f} MB vs {healthy.grad_mb:.2f} MB): give it extra_grad_mb > 0")
+    if d_s <= 0:
+        raise ValueError(f"the probe's {d_mb:.1f} extra MB did not lengthen the all-reduce "
+                         f"({1e3 * d_s:+.2f} ms, noise): probe with a larger extra_grad_mb")
+    s_per_mb = d_s / d_mb
+    target = factor * max(healthy.compute)
+    extra = d_mb + max(0.0, (target - min(probe.comm)) / s_per_mb)
+    if extra > max_extra_mb:
+        raise ValueError(f"an all-reduce-bound step needs {extra:,.0f} MB of extra gradient here, "
+                         f"more than max_extra_mb={max_extra_mb:,.0f}: use a smaller batch or model")
+    step = healthy.step_time()
+    return {"slow loader": dict(data_delay=factor * step),
+            "slow rank": dict(straggler_delay=factor * step),
+            "big gradient": dict(extra_grad_mb=extra)}
 
 
 def _timed(fn, *args):
@@ -157,4 +202,6 @@ def dp_step_profile(size: str = "toy", batch_size: int = 8, steps: int = 8,
                 times[p].append(t)
     result = {p: statistics.median(v) for p, v in times.items()}
     result["mem_frac"] = mem_frac
+    result["grad_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 \
+        + extra.numel() * extra.element_size() / 2**20
     return result
