@@ -206,3 +206,26 @@ def test_memory_over_step_peak_is_not_the_sum():
     assert max(sum(v.values()) for _, v in memory_over_step(big_g, 4)) == 2 + 12 + 50
     with pytest.raises(ValueError, match="layers"):
         memory_over_step(budget, 0)
+
+
+def test_memory_over_step_with_a_gradient_buffer_peaks_at_the_sum():
+    # DDP's buckets / Megatron's contiguous buffer: gradients live through the forward,
+    # so nothing is freed between steps and the peak is the sum of the parts
+    from helpers.memory import memory_over_step
+    budget = {"weights": 2.0, "grads": 3.0, "optimizer": 12.0, "activations": 40.0}
+    points = memory_over_step(budget, layers=4, grad_buffer=True)
+    assert all(v["grads"] == 3.0 for _, v in points)
+    assert max(sum(v.values()) for _, v in points) == 2 + 3 + 12 + 40
+
+
+def test_bf16_with_fp32_gradients_is_megatrons_18_bytes():
+    # Megatron-LM docs/source/api-guide/dist_optimizer.md: "float16 param, fp32 grads"
+    # 18 B/param, 6 + 12/d with the distributed optimizer (ZeRO-1)
+    from helpers.memory import BYTES_PER_PARAM_BY_PRECISION, OPTIMIZER_STATE
+    w, g, master = BYTES_PER_PARAM_BY_PRECISION["bf16, fp32 grads"]
+    k = master + OPTIMIZER_STATE["adam"]
+    assert model_state_bytes(1, param_bytes=w, grad_bytes=g, optimizer_bytes=k).total == 18
+    assert model_state_bytes(1, dp=8, zero_stage=1, param_bytes=w, grad_bytes=g,
+                             optimizer_bytes=k).total == pytest.approx(6 + 12 / 8)
+    w, g, master = BYTES_PER_PARAM_BY_PRECISION["bf16 mixed"]  # ZeRO's accounting
+    assert w + g + master + OPTIMIZER_STATE["adam"] == 16

@@ -77,7 +77,13 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
                       optimizer_bytes: float = 12) -> ModelStateBytes:
     """Per-rank bytes of weights, gradients and optimizer state.
 
-    Defaults are mixed-precision Adam: 2 + 2 + 12 = 16 bytes per parameter.
+    Defaults are ZeRO's accounting of mixed-precision Adam (Rajbhandari et al.
+    2020, sec. 3.1, written for fp16): 2-byte weights + 2-byte gradients + 12
+    bytes of fp32 master weights, m and v = 16 bytes per parameter (K = 12).
+    With bf16 weights Megatron accumulates and reduces gradients in fp32: 2 + 4
+    + 12 = 18 bytes (``grad_bytes=4``; "float16 param, fp32 grads: 18" in
+    Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``, 2025), which
+    ``BYTES_PER_PARAM_BY_PRECISION["bf16, fp32 grads"]`` names.
     ``zero_stage`` 1/2/3 divides the optimizer / + gradients / + weights by ``dp``.
     """
     if n_params < 0:
@@ -214,7 +220,11 @@ MODEL_PRESETS: dict[str, dict] = {
 
 # precision -> bytes per parameter of (weights, gradients, fp32 master copy);
 # optimizer -> bytes of optimizer state per parameter
-BYTES_PER_PARAM_BY_PRECISION = {"bf16 mixed": (2, 2, 4), "fp32": (4, 4, 0)}
+# (weight, gradient, fp32 master) bytes per parameter; the optimizer's own state is added
+# from OPTIMIZER_STATE. "bf16 mixed" is ZeRO's 16-bit accounting (16 B/param with Adam);
+# "bf16, fp32 grads" is Megatron's bf16 recipe (18 B/param with Adam, see model_state_bytes).
+BYTES_PER_PARAM_BY_PRECISION = {"bf16 mixed": (2, 2, 4), "bf16, fp32 grads": (2, 4, 4),
+                                "fp32": (4, 4, 0)}
 OPTIMIZER_STATE = {"adam": 8, "sgd+momentum": 4, "sgd": 0}
 
 
@@ -244,12 +254,21 @@ def training_memory(n_params: float, *, seq: int, micro_batch: int, hidden: int,
             "activations": act, "total": states.total + act}
 
 
-def memory_over_step(budget: dict[str, float], layers: int) -> list[tuple[str, dict[str, float]]]:
+def memory_over_step(budget: dict[str, float], layers: int, *,
+                     grad_buffer: bool = False) -> list[tuple[str, dict[str, float]]]:
     """Live bytes of each part at each point of one training step, from a
     ``training_memory`` budget: the parts are not all alive at once.
 
     * start: weights and optimizer state; no gradients, since the previous
-      step's ``zero_grad(set_to_none=True)`` (PyTorch's default) freed them;
+      step's ``zero_grad(set_to_none=True)`` (PyTorch's default) freed them,
+      unless ``grad_buffer``: a gradient buffer allocated once and kept for the
+      whole run, as data-parallel wrappers do. DDP's Reducer holds gradient-sized
+      all-reduce buckets from construction (torch 2.13,
+      ``torch/nn/parallel/distributed.py``: ``gradient_as_bucket_view=True``
+      makes ``.grad`` views into them, saving "the total gradients size");
+      Megatron's DDP keeps a contiguous gradient buffer (its
+      ``docs/source/api-guide/dist_optimizer.md``). Then gradients count in full
+      at every point and the peak is the sum of the parts;
     * forward, after layer i of ``layers``: i / layers of the activations;
     * backward, after layer i from the top: the activations of the layers
       not yet reached, plus the gradients of the layers already done (a layer's
@@ -266,13 +285,14 @@ def memory_over_step(budget: dict[str, float], layers: int) -> list[tuple[str, d
     """
     positive_int("layers", layers)
     w, g, o, a = (float(budget[k]) for k in ("weights", "grads", "optimizer", "activations"))
-    points = [("start", {"weights": w, "grads": 0.0, "optimizer": o, "activations": 0.0})]
+    g0 = g if grad_buffer else 0.0  # gradient bytes alive before backward writes any
+    points = [("start", {"weights": w, "grads": g0, "optimizer": o, "activations": 0.0})]
     for i in range(1, layers + 1):
-        points.append((f"forward {i}", {"weights": w, "grads": 0.0, "optimizer": o,
+        points.append((f"forward {i}", {"weights": w, "grads": g0, "optimizer": o,
                                         "activations": a * i / layers}))
     for i in range(1, layers + 1):
-        points.append((f"backward {i}", {"weights": w, "grads": g * i / layers, "optimizer": o,
-                                         "activations": a * (layers - i) / layers}))
+        points.append((f"backward {i}", {"weights": w, "grads": max(g0, g * i / layers),
+                                         "optimizer": o, "activations": a * (layers - i) / layers}))
     points.append(("optimizer step", {"weights": w, "grads": g, "optimizer": o, "activations": 0.0}))
     points.append(("after zero_grad", dict(points[0][1])))
     return points

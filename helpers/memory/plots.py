@@ -47,14 +47,17 @@ def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: floa
 
 
 def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
-                          gpu_gb: float | None = 80.0):
+                          gpu_gb: float | None = 80.0, grad_buffer: dict[str, bool] | None = None):
     """One panel per budget: the parts of ``memory_over_step`` stacked over the step,
-    with the sum of all parts (the bar chart's total) dashed for comparison."""
+    with the sum of all parts (the bar chart's total) dashed for comparison.
+    ``grad_buffer`` names the budgets whose gradients live for the whole run (see
+    ``memory_over_step``)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.2), squeeze=False)
     for ax, (name, budget) in zip(axes[0], budgets.items()):
-        points = memory_over_step(budget, layers)
+        points = memory_over_step(budget, layers,
+                                  grad_buffer=bool((grad_buffer or {}).get(name, False)))
         gap = max(2, layers // 2)  # room for the optimizer step's label after backward
         xs = list(range(2 * layers + 1)) + [2 * layers + gap, 2 * layers + 2 * gap]
         ax.stackplot(xs, *[[pt[part] / GB for _, pt in points] for part in _PARTS],
