@@ -171,7 +171,8 @@ class PowerSGDHook(_Counting):
       fast, so a warm-started Q lags, and early errors steer training for good.
     * **Asynchronous.** With ``asynchronous=True`` a bucket is compressed on a
       worker thread with its own process group (made in ``bind``), so backward
-      goes on computing meanwhile, as DDP's hook does on its own CUDA stream;
+      goes on computing meanwhile, as DDP's hook does on its own CUDA stream
+      (on a GPU the worker runs on a stream of its own, too);
       the worker handles buckets in launch order, so every rank issues the same
       collectives in the same order on that group.
 
@@ -222,13 +223,27 @@ class PowerSGDHook(_Counting):
             threading.Thread(target=self._worker, daemon=True).start()
 
     def _worker(self) -> None:
+        streams: dict = {}   # device -> the worker's own CUDA stream
         while True:
-            flat, key, fut = self._jobs.get()
+            flat, key, fut, producer = self._jobs.get()
             try:
-                self._compress(flat, key, self._side_group)
-                fut.set_result(flat)
+                with self._on_own_stream(flat, producer, streams):
+                    self._compress(flat, key, self._side_group)
+                    fut.set_result(flat)
             except Exception as err:  # noqa: BLE001 - handed to whoever waits
                 fut.set_exception(err)
+
+    @staticmethod
+    def _on_own_stream(flat: torch.Tensor, producer, streams: dict):
+        """On a GPU, run the compression on a stream of its own (on the thread's default
+        stream it would queue behind backward's kernels, and backward's behind it), after
+        the stream that produced the gradient; on CPU, nothing to do."""
+        if producer is None:
+            return contextlib.nullcontext()
+        stream = streams.setdefault(flat.device, torch.cuda.Stream(flat.device))
+        stream.wait_stream(producer)        # the gradient bucket is complete
+        flat.record_stream(stream)          # the allocator must not reuse it before we finish
+        return torch.cuda.stream(stream)
 
     # -- the hook --------------------------------------------------------------
     def __call__(self, flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
@@ -244,8 +259,12 @@ class PowerSGDHook(_Counting):
             work = dist.all_reduce(flat_grad, group=group, async_op=True)
             return work.get_future().then(lambda f: f.value()[0])
         if self._jobs is not None:
-            fut = torch.futures.Future()
-            self._jobs.put((flat_grad, key, fut))
+            # On a GPU the future is CUDA-aware (devices=...): set_result records an
+            # event on the worker's stream and whoever waits on the future waits for it.
+            cuda = flat_grad.is_cuda
+            fut = torch.futures.Future(devices=[flat_grad.device] if cuda else None)
+            producer = torch.cuda.current_stream(flat_grad.device) if cuda else None
+            self._jobs.put((flat_grad, key, fut, producer))
             return fut
         self._compress(flat_grad, key, group)
         return completed_future(flat_grad)

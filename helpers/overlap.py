@@ -266,11 +266,17 @@ def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
 
 
 def export_trace(fn: Callable[[], object], path: str) -> str:
-    """Run ``fn()`` under torch.profiler (CPU) and write a Chrome/Perfetto trace."""
+    """Run ``fn()`` under torch.profiler and write a Chrome/Perfetto trace: CPU activity,
+    and on a machine with a GPU the CUDA kernels too (nccl's collectives appear as
+    kernels on their own stream there, which is where overlap is seen)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
     with _without_profiler_chatter():
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             fn()
     prof.export_chrome_trace(str(path))
     return str(path)

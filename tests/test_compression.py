@@ -354,3 +354,33 @@ def test_same_bucket_as_torchs_bf16_and_powersgd_hooks(cuda_present):
         # (the comparison above can fail)
         assert any(not torch.allclose(a, b, atol=1e-3) for a, b in r["psgd"][2].values()
                    if a.dim() == 2)
+
+
+class _OneBucket:
+    """What PowerSGDHook.bind reads from a BucketedDDP: one flat bucket and its layout."""
+
+    def __init__(self, flat, shape):
+        self.flat_buffers, self.process_group = [flat], None
+        self.layout = [[(torch.empty(shape, device="meta"), 0, 0)]]
+
+
+def _async_powersgd_on_cuda():
+    # gloo on CUDA tensors (all_reduce is supported there): two ranks on one GPU.
+    shape = (64, 48)
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(rank_info().rank)).cuda()
+    results = []
+    for asynchronous in (False, True):
+        hook = PowerSGDHook(rank=2, start_iter=0, asynchronous=asynchronous)
+        flat = g.reshape(-1).clone()
+        hook.bind(_OneBucket(flat, shape))
+        res = hook(flat).wait()            # the async one ran on the worker's own stream
+        results.append(res.clone())
+    return torch.equal(results[0], results[1]), results[1].device.type
+
+
+@pytest.mark.gpu
+def test_asynchronous_powersgd_on_its_own_stream_equals_synchronous():
+    # The worker thread compresses on a CUDA stream of its own, after the gradient's
+    # stream, and hands back a CUDA-aware future: the result must be the same bits.
+    for same, device in launch(_async_powersgd_on_cuda, 2, backend="gloo", timeout=120):
+        assert same and device == "cuda"
