@@ -1,8 +1,10 @@
 """How many bytes does training hold? Formulas first, then measured.
 
-Model state (Rajbhandari et al. 2020, "ZeRO", sec. 3.1) is 16 bytes per
-parameter for mixed-precision Adam, sharded over data-parallel ranks by ZeRO's
-stages; activations (Korthikanti et al. 2022, sec. 4-5, Table 2) are
+Model state is 16 bytes per parameter for mixed-precision Adam in the ZeRO
+paper's accounting (Rajbhandari et al. 2020, sec. 3.1: 16-bit weights and
+gradients, fp32 master + m + v), 18 with fp32 gradients as Megatron-LM keeps
+them with bf16 (``BYTES_PER_PARAM_BY_PRECISION``), sharded over data-parallel
+ranks by ZeRO's stages; activations (Korthikanti et al. 2022, sec. 4-5, Table 2) are
 s*b*h*(34 + 5*a*s/h) bytes per transformer layer, divided by tensor and
 sequence parallelism and cut by recompute. Then the same bytes measured:
 every tensor autograd keeps for backward, counted by a saved-tensor hook, and
