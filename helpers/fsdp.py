@@ -97,12 +97,17 @@ root and of each unit are cast to bf16, as FSDP2's ``cast_forward_inputs``).
 the sum over ranks loses nothing more; None reduces in bf16. The reduced
 chunk becomes the fp32 shard's gradient.
 
-**Ignored parameters** (``ignored_params``, as FSDP's): left out of every
-unit, so they stay full and replicated on every rank, as under DDP: rank 0's
-values are broadcast at construction, their gradients all-reduced and
-averaged when backward ends, and ``fsdp.parameters()`` yields them next to
-the shards. Meant for a few small tensors (norms) or anything that must not
-be sharded; they keep their own dtype under a mixed-precision policy.
+**Ignored parameters** (``ignored_params``): left out of every unit, so they
+stay full and replicated on every rank. Here, and this is the course's own
+choice, they are then trained as under DDP: rank 0's values are broadcast at
+construction, their gradients all-reduced and averaged when backward ends, and
+``fsdp.parameters()`` yields them next to the shards. FSDP2's ``ignored_params``
+only shares the first half: ``fully_shard`` neither shards them nor reduces
+their gradients (its docstring, PyTorch 2.13: "They will not be sharded, nor
+moved to the device during init, nor have their gradients reduced in
+backward"), so keeping the replicas equal is left to the caller. Meant for a
+few small tensors (norms) or anything that must not be sharded; they keep
+their own dtype under a mixed-precision policy.
 
 Wrapping changes the model in place: its parameters become views into the
 units' (mostly freed) buffers and it carries FSDP's hooks. ``unwrap()`` removes
@@ -279,7 +284,8 @@ class FSDP(nn.Module):
     (``phase`` "forward" or "backward"; i = -1: the root, before block 0).
     ``param_dtype`` / ``reduce_dtype``: the mixed-precision policy (None: the
     parameters' own dtype). ``ignored_params``: parameters left unsharded and
-    replicated, their gradients averaged as DDP does.
+    replicated, their gradients averaged as DDP does (the course's choice;
+    FSDP2 leaves ignored parameters' gradients unreduced).
 
     What other code may read (checkpointing does): ``shard_size`` (ranks in
     the shard group, S), ``replicate_size`` (replicas of each shard, R; 1
