@@ -148,6 +148,7 @@ def _everything():
     out["errors"] = errors
     out["sp_block"] = _sp_block()
     out["timeline"], out["ring_forward"] = _timeline(q, k, v)
+    out["compute_only"] = _compute_only(q, k, v)
     out["saved"] = _saved(q, k, v)
     return out
 
@@ -157,6 +158,32 @@ def _timeline(q, k, v):
     spans = []
     o, _ = ring_forward(*local, layout="zigzag", timeline=spans)
     return spans, gather_sequence(o, None, "zigzag")
+
+
+def _compute_only(q, k, v):
+    """ring_forward(communicate=False): its spans, how many send/receive pairs it posted
+    (and the ring, to show the counter counts), and its non-causal output with this
+    rank's own Q, K, V next to the local non-causal attention."""
+    import helpers.sp.attention.ring as ring_module
+    local = [shard_sequence(x, None, "zigzag") for x in (q, k, v)]
+    posted, real = [], ring_module.post_pair
+
+    def counting(*args, **kwargs):
+        posted.append(args)
+        return real(*args, **kwargs)
+
+    ring_module.post_pair = counting          # this rank's fresh process only
+    try:
+        spans = []
+        ring_forward(*local, layout="zigzag", timeline=spans, communicate=False)
+        alone = len(posted)
+        ring_forward(*local, layout="zigzag")
+        ring = len(posted) - alone
+    finally:
+        ring_module.post_pair = real
+    o, _ = ring_forward(*local, causal=False, layout="zigzag", communicate=False)
+    want = F.scaled_dot_product_attention(*local)
+    return dict(spans=spans, posted=alone, ring_posted=ring, out=o, want=want)
 
 
 def _saved(q, k, v):
@@ -307,6 +334,21 @@ def test_ring_timeline_has_one_compute_span_per_block_and_waits_inside_transfers
             assert c["start"] <= w["start"] and w["end"] == c["end"]  # blocked inside the transfer
         names = [e["name"] for e in spans if e["lane"] == "compute"]
         assert names == [f"block of rank {(rank - i) % t}" for i in range(t)]
+
+
+def test_ring_compute_only_runs_the_same_blocks_without_sending(ranks):
+    t, res = ranks
+    for rank, out in enumerate(res):
+        c = out["compute_only"]
+        # the ring posts a send/receive pair per hop; compute-only posts none
+        assert c["ring_posted"] == t - 1 and c["posted"] == 0
+        # the same blocks in the same order (same names, as the ring's timeline), no transfers
+        assert [e["lane"] for e in c["spans"]] == ["compute"] * t
+        assert [e["name"] for e in c["spans"]] == [e["name"] for e in out["timeline"]
+                                                   if e["lane"] == "compute"]
+        # without the causal mask every block is this rank's own K/V, unmasked: merging t
+        # equal partial results is the local attention itself (float64 rounding)
+        assert_close64(c["out"], c["want"], f"compute-only t={t} rank {rank}")
 
 
 def test_saved_bytes_per_rank_equal_the_formula_with_and_without_the_scores(ranks):
