@@ -82,7 +82,7 @@ def model_state_bytes(n_params: float, *, dp: int = 1, zero_stage: int = 0,
     bytes of fp32 master weights, m and v = 16 bytes per parameter (K = 12).
     With bf16 weights Megatron accumulates and reduces gradients in fp32: 2 + 4
     + 12 = 18 bytes (``grad_bytes=4``; "float16 param, fp32 grads: 18" in
-    Megatron-LM's ``docs/source/api-guide/dist_optimizer.md``, 2025), which
+    Megatron-LM's ``docs/source/api-guide/dist_optimizer.md`` at commit 50b073c), which
     ``BYTES_PER_PARAM_BY_PRECISION["bf16, fp32 grads"]`` names.
     ``zero_stage`` 1/2/3 divides the optimizer / + gradients / + weights by ``dp``.
     """
