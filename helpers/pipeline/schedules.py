@@ -34,13 +34,16 @@ The three classic schedules
   Micro-batches go through the chunks in *rounds*: a round of micro-batches
   runs on chunk 0, then the same round on chunk 1, and so on. The paper's
   order (and early Megatron-LM) used rounds of exactly p and so required m
-  to be a multiple of p. Neither production version does any more:
+  to be a multiple of p. The production versions relax that only partly:
   Megatron-core takes rounds of ``microbatch_group_size_per_vp_stage``
-  (default p) with a shorter last one, and ``torch.distributed.pipelining``'s
-  ``ScheduleInterleaved1F1B`` takes ``max(1, m // p)`` equal rounds (so m
-  must split into them evenly: m = 6 or 10 on p = 4, not 9). We take
-  torch's rounds and let the first ``m % rounds`` of them hold one
-  micro-batch more, so every m works; every round holds at least min(p, m)
+  (default p, at least p) and refuses a last round shorter than p
+  (``forward_backward_pipelining_with_interleaving``), so with the default m
+  must still be a multiple of p; ``torch.distributed.pipelining``'s
+  ``ScheduleInterleaved1F1B`` takes ``max(1, m // p)`` equal rounds and
+  refuses an m they do not divide (PyTorch 2.13: m = 6 or 10 on p = 4, not 9
+  or 11). We take torch's rounds and let the first ``m % rounds`` of them
+  hold one micro-batch more, so every m works (the course's freedom, not the
+  libraries'); every round holds at least min(p, m)
   micro-batches, which keeps the order deadlock-free. Where torch accepts m
   the order is torch's, and for m a multiple of p it is the paper's. The
   simulated bubble is the closed form below for every m >= p, whether or not
