@@ -28,23 +28,11 @@ ALLOWED = {
     ("solutions/11_pipeline_basics_solution.ipynb", "timed_stage", "thread_time"):
         "cell 11: CPU seconds of the rank's thread, the chapter's CPU lesson on busy time "
         "(a host quantity by definition; the markdown says what it means on a GPU)",
+    ("course/18_debugging_health.ipynb", "per_call_cost", "thread_time"):
+        "CPU seconds of the recorder's Python wrapper around a gloo call on CPU tensors: "
+        "the cost being measured is host work by definition",
 }
 
-# TEMPORARY: notebooks 17, 18 and 21 are being converted separately; these are
-# their rank-side reads as they stand (21 has none: its timings run in the kernel). Whoever converts one removes its entries (the test
-# below fails on entries no notebook needs any more).
-TEMPORARY = {
-    ("course/17_checkpoint_resume.ipynb", "fsdp2_save", "perf_counter"):
-        "cell 19: seconds of a DCP save and of ours (files, barriers around them)",
-    ("course/17_checkpoint_resume.ipynb", "fsdp2_load", "perf_counter"):
-        "cell 19: seconds of a DCP load and of ours (files, barriers around them)",
-    ("course/18_debugging_health.ipynb", "slow_loader", "perf_counter"):
-        "cell 24: a step's busy time around a planted data-loader stall",
-    ("course/18_debugging_health.ipynb", "train_with_monitor", "perf_counter"):
-        "cell 26: data and step seconds fed to the health monitor",
-    ("course/18_debugging_health.ipynb", "per_call_cost", "thread_time"):
-        "cell 29: CPU seconds of the recorder's Python wrapper (gloo, CPU tensors)",
-}
 
 
 def code_cells(path: pathlib.Path) -> list[tuple[int, ast.Module]]:
@@ -124,7 +112,7 @@ def scan(root: pathlib.Path) -> set[tuple[str, str, str]]:
 
 def test_rank_functions_time_with_the_course_clock():
     reads = scan(ROOT)
-    allowed = ALLOWED.keys() | TEMPORARY.keys()
+    allowed = ALLOWED.keys()
     assert sorted(reads - allowed) == [], \
         "time GPU work with helpers.clock (clk = clock_for(dev); t0 = clk.mark(); " \
         "elapsed(t0, clk.mark())), or allow-list the read here with the reason"

@@ -46,15 +46,6 @@ NOTEBOOKS = sorted((ROOT / "course").glob("*.ipynb")) + sorted(
 FACTORIES = {"randn", "rand", "randint", "randperm", "zeros", "ones", "empty", "full",
              "tensor", "as_tensor", "arange", "linspace", "logspace", "eye", "normal"}
 
-# TEMPORARY: chapters whose rank functions other helpers are moving to the
-# rank's device right now. Each owner deletes its chapter's entry when its
-# notebooks pass; the dict must be empty when that work is done.
-TEMPORARY_ALLOW_LIST: dict[str, str] = {
-}
-
-
-def _chapter(path: pathlib.Path) -> str:
-    return path.stem.removesuffix("_solution")
 
 
 def _code(source: str) -> str:
@@ -175,15 +166,7 @@ def notebook_offences(path: pathlib.Path) -> list[str]:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_rank_functions_build_on_the_ranks_device(path):
     found = notebook_offences(path)
-    if _chapter(path) in TEMPORARY_ALLOW_LIST:
-        pytest.skip(f"temporarily allowed ({TEMPORARY_ALLOW_LIST[_chapter(path)]}); "
-                    f"{len(found)} offence(s) left")
     assert not found, "tensors built off the rank's device:\n" + "\n".join(found)
-
-
-def test_temporary_allow_list_names_real_chapters():
-    chapters = {_chapter(p) for p in NOTEBOOKS}
-    assert set(TEMPORARY_ALLOW_LIST) <= chapters, set(TEMPORARY_ALLOW_LIST) - chapters
 
 
 def test_the_scan_sees_what_it_claims(tmp_path):
