@@ -14,6 +14,12 @@ def _sum_only(model):  # forgets to divide
             dist.all_reduce(p.grad)
 
 
+def _no_none_test(model):  # all-reduces every .grad, also a None one
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(dist.get_world_size())
+
+
 def _halves(model):  # divides by a hard-coded 2
     for p in model.parameters():
         if p.grad is not None:
@@ -27,6 +33,8 @@ def _local_only(model):  # never communicates
 
 def _thirds(model):  # divides by 3, the world size of the first run it was tried on
     for p in model.parameters():
+        if p.grad is None:
+            continue
         dist.all_reduce(p.grad)
         p.grad.div_(3)
 
@@ -39,7 +47,7 @@ def _weights_only(model):  # averages matrices, skips biases and norms (dim 1)
 
 
 def _flat_no_view(model):  # one flat all-reduce, copied back without reshaping: raises
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
@@ -48,7 +56,7 @@ def _flat_no_view(model):  # one flat all-reduce, copied back without reshaping:
 
 
 def _grads_none(model):  # averages into new tensors, then clears .grad
-    for p in model.parameters():
+    for p in [q for q in model.parameters() if q.grad is not None]:
         avg = p.grad.clone()
         dist.all_reduce(avg)
         p.grad = None
@@ -141,6 +149,8 @@ class TestChapter02(ChapterChecks):
     uses = {"dp_step": ("average_gradients",)}  # the step calls the notebook's average_gradients
     wrong = [
         Wrong("average_gradients", _sum_only, "forgets to divide", says="divide by the world size"),
+        Wrong("average_gradients", _no_none_test, "all-reduces a None gradient",
+              says="skip parameters whose .grad is None"),
         Wrong("average_gradients", _halves, "divides by a hard-coded 2",
               says="not by a fixed number"),
         Wrong("average_gradients", _local_only, "never communicates", says="own gradient"),

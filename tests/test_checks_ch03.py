@@ -141,6 +141,12 @@ def _forgets_to_divide(x):  # the sum, not the mean
     ring_all_gather(x)
 
 
+def _divides_after_gather(x):  # the right mean, dividing all of x after the all-gather
+    ring_reduce_scatter(x)
+    ring_all_gather(x)
+    x /= dist.get_world_size()
+
+
 def _library_average(x):  # the right mean, from the library's collective
     dist.all_reduce(x)
     x /= dist.get_world_size()
@@ -156,10 +162,12 @@ def _whole_tensor_average(x):  # the right mean, passing whole tensors: (p-1) N 
     x.copy_(acc / dist.get_world_size())
 
 
-def _batched_average(x):  # the reference ring (batch_isend_irecv inside): bytes counted too
-    from helpers.collectives import ring_all_reduce
-    ring_all_reduce(x)
-    x /= dist.get_world_size()
+def _batched_average(x):  # the reference ring phases (batch_isend_irecv inside): counted too
+    r, p = dist.get_rank(), dist.get_world_size()
+    ring_reduce_scatter(x)
+    a, b = chunk_bounds(x.numel(), p)[r]
+    x[a:b] /= p
+    ring_all_gather(x)
 
 
 class TestChapter03(ChapterChecks):
@@ -189,6 +197,8 @@ class TestChapter03(ChapterChecks):
               says="x the mean"),
         Wrong("all_gather", _gather_one_step, "only the first step", says="never arrived"),
         Wrong("ring_average", _forgets_to_divide, "the sum, not the mean", says="divide"),
+        Wrong("ring_average", _divides_after_gather, "divides the whole tensor after the gather",
+              says="not yet the mean"),
         Wrong("ring_average", _library_average, "dist.all_reduce instead of the ring",
               says="dist.all_reduce is switched off"),
         Wrong("ring_average", _whole_tensor_average, "passes whole tensors around the ring",

@@ -105,6 +105,12 @@ def _per_entry_scale(hist, new_amax, scale, fp8_max, margin=0):  # a scale per h
     return h, fp8_max / h.clamp(min=1e-12) / 2 ** margin
 
 
+def _no_zero_guard(hist, new_amax, scale, fp8_max, margin=0):  # divides by an all-zero history
+    hist = torch.roll(hist, 1)
+    hist[0] = new_amax
+    return hist, fp8_max / hist.max() / 2 ** margin
+
+
 def _float32_values(x):  # right scales, values left in float32
     from helpers.precision import mx_quantize
     x8, s = mx_quantize(x)
@@ -172,6 +178,8 @@ class TestChapter13(ChapterChecks):
         Wrong("delayed_scale", _current_scaling, "current scaling instead of the history",
               says="scale should be"),
         Wrong("delayed_scale", _no_margin, "forgets the margin", says="margin=1"),
+        Wrong("delayed_scale", _no_zero_guard, "an all-zero history divides by zero",
+              says="keep the previous scale"),
         Wrong("delayed_scale", _no_roll, "history not rolled", says="history should be"),
         Wrong("mx_quantize", _one_scale, "one scale per tensor", says="per-tensor scaling"),
         Wrong("mx_quantize", _not_power_of_two, "scales not powers of two",

@@ -23,8 +23,15 @@ def _free_rebinds(unit):  # a new empty tensor: the parameters still hold the ol
 
 
 def _gather_no_group(unit):  # the all-gather over the whole world, not unit.group
+    if unit.full.untyped_storage().nbytes() > 0:
+        return
     unit.full.untyped_storage().resize_(unit.full.numel() * 4)
     all_gather(unit.full, unit.shard)
+
+
+def _gather_every_time(unit):  # no already-gathered guard: all-gathers on every call
+    unit.full.untyped_storage().resize_(unit.full.numel() * 4)
+    all_gather(unit.full, unit.shard, group=unit.group)
 
 
 def _gather_no_resize(unit):  # fills the 0-byte storage without growing it first
@@ -109,6 +116,8 @@ class TestChapter15(ChapterChecks):
         Wrong("gather_free", {"free": lambda unit: None}, "free keeps the bytes", says="resize_"),
         Wrong("gather_free", {"free": _free_rebinds}, "free rebinds unit.full",
               says="replaced unit.full"),
+        Wrong("gather_free", {"gather": _gather_every_time}, "gathers an already gathered unit",
+              says="already gathered"),
         Wrong("gather_free", {"gather": _gather_no_group}, "all_gather without group=",
               says="in two groups"),
         Wrong("gather_free", {"gather": _gather_no_resize}, "no resize before the all-gather",

@@ -139,7 +139,11 @@ class TestChapter20(ChapterChecks):
         Wrong("capstone_verdict", lambda r: int(r.max_grad_diff <= r.bound and all(
               abs(a - b) <= r.bound for a, b in zip(r.losses, r.reference_losses))
               and len(r.losses) == len(r.reference_losses)), "returns an int",
-              says="must return a bool"),
+              says="must return a Python bool, got int"),
+        Wrong("capstone_verdict", lambda r: __import__("numpy").bool_(
+              r.max_grad_diff <= r.bound and len(r.losses) == len(r.reference_losses)
+              and all(abs(a - b) <= r.bound for a, b in zip(r.losses, r.reference_losses))),
+              "returns numpy's bool", says="got numpy.bool.*wrap it in bool"),
         Wrong("choose_layout", _tp_over_two_nodes, "TP across two nodes",
               says="TP crosses a node"),
         Wrong("choose_layout", _deepest_pipeline, "feasible but slow: the deepest pipeline",

@@ -96,6 +96,13 @@ def expect_close(got: float, want: float, what: str, rel: float = 1e-9, abs_: fl
         raise CheckFailed(f"{what}: expected {want:,.6g}, got {float(got):,.6g}")
 
 
+# gloo's reason goes to the rank's stderr; the rank itself is just killed by SIGABRT
+GLOO_ABORT = ("gloo aborts a rank (SIGABRT) when the ranks' communication does not match: "
+              "a collective called on some ranks only or in another order, tensors of "
+              "different sizes on different ranks, or a receive buffer of another size than "
+              "the message sent to it")
+
+
 def on_ranks(fn: Callable, world_size: int, *args: Any, what: str, timeout: float = 60,
              probe: Callable | None = None, hints: dict[str, str] | None = None,
              **kwargs: Any) -> list:
@@ -129,7 +136,9 @@ def on_ranks(fn: Callable, world_size: int, *args: Any, what: str, timeout: floa
         if err.exc_type == "NotImplementedError":
             raise CheckFailed(f"{what} is not implemented yet") from None
         first = str(err).split("\n--- traceback")[0]
-        advice = [tip for key, tip in (hints or {}).items() if key in first]
+        advice = list(dict.fromkeys(tip for key, tip in (hints or {}).items() if key in first))
+        if "SIGABRT" in first and not advice:
+            advice.append(GLOO_ABORT)
         raise CheckFailed(f"{what} failed on a rank: {first}"
                           + "".join(f" -- {tip}" for tip in advice)
                           + f"\n\n--- traceback of rank {err.rank} ---\n"

@@ -31,6 +31,12 @@ def _data(world_size: int, steps: int = 1):
     return [data.batch(range(s * g, (s + 1) * g)) for s in range(steps)]
 
 
+# what a collective on a None gradient raises, and the advice for it
+_NONE_GRAD = {key: "a parameter whose .grad is None (the model has one its forward never "
+                   "uses) reached a collective: skip parameters whose .grad is None"
+              for key in ("NoneType", "Invalid function argument")}
+
+
 def _ranked_grads(average_gradients):
     """Each rank: local backward on its slice, the learner's averaging, return grads."""
     from helpers import rank_info
@@ -40,9 +46,15 @@ def _ranked_grads(average_gradients):
     x, y = _data(p)[0]
     m = MICRO[p]
     model = build_model("toy", seed=0)
+    # a parameter the forward never uses (a frozen or unused layer): its .grad stays None
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(3, device=x.device)))
     model(x[m * r:m * (r + 1)], y[m * r:m * (r + 1)])[1].backward()
     average_gradients(model)
-    return [q.grad.clone() if q.grad is not None else None for q in model.parameters()]
+    if model.unused.grad is not None:
+        raise RuntimeError("average_gradients gave a gradient to a parameter that had none "
+                           "(.grad was None): skip parameters whose .grad is None")
+    return [q.grad.clone() if q.grad is not None else None
+            for n, q in model.named_parameters() if n != "unused"]
 
 
 def _probe_model(fn):
@@ -82,13 +94,15 @@ def check_average_gradients(average_gradients) -> None:
     * averages only some parameters (e.g. skips biases or stops early): the
       first parameter that differs is named;
     * sets ``p.grad`` to None or replaces it with a non-tensor: named per tensor;
+    * all-reduces a parameter whose ``.grad`` is None (the model has one the forward
+      never uses): the rank's error, with the advice to skip it;
     * raises (a typo, a wrong collective argument): the rank's error, as CheckFailed.
     """
     if not callable(average_gradients):
         raise CheckFailed(f"average_gradients should be a function, got {average_gradients!r}")
     for world in WORLDS:
         results = on_ranks(_ranked_grads, world, average_gradients, what="average_gradients",
-                           probe=lambda: _probe_model(average_gradients))
+                           probe=lambda: _probe_model(average_gradients), hints=_NONE_GRAD)
         _compare_grads(results, world)
     n = len(results[0])
     passed(f"averaged gradients on {' and '.join(map(str, WORLDS))} ranks equal one process "

@@ -65,7 +65,8 @@ def _instrumented(fn, t) -> list:
     def recording(real):
         def send(tensor, *args, **kwargs):
             dst = args[0] if args else kwargs.get("dst", kwargs.get("group_dst"))
-            sent.append((dst, tensor.numel() * tensor.element_size()))
+            sent.append((dst, tensor.numel() * tensor.element_size(),
+                         tensor.detach().to("cpu", copy=True)))
             return real(tensor, *args, **kwargs)
         return send
 
@@ -156,6 +157,8 @@ def _check(fn, phase: str, label: str) -> None:
             for n, got in zip(SIZES, outs):
                 _compare(got, n, rank, world, phase, label)
         _check_sends([sent for _, sent in results], world, phase, label)
+        if phase == "ring_average":
+            _check_divided_before_gather([sent for _, sent in results], world, label)
 
 
 def _compare(got, n: int, rank: int, world: int, phase: str, label: str) -> None:
@@ -201,7 +204,7 @@ def _check_sends(sends: list, world: int, phase: str, label: str) -> None:
         largest = max(b - a for a, b in chunk_bounds(n, world)) * 8  # float64 bytes
         for rank, per_size in enumerate(sends):
             right, left = (rank + 1) % world, (rank - 1) % world
-            dests = sorted({dst for dst, _ in per_size[i]})
+            dests = sorted({dst for dst, _, _ in per_size[i]})
             if dests not in ([], [right]):
                 how = ("only to its left neighbour: the ring runs backwards"
                        if dests == [left] else
@@ -211,13 +214,13 @@ def _check_sends(sends: list, world: int, phase: str, label: str) -> None:
                     f"{label}: {world} ranks, tensor of {n} elements: rank {rank} sent to "
                     f"rank(s) {dests}, {how}. Send to the right neighbour (r + 1) % p "
                     f"= {right}, receive from the left (r - 1) % p = {left}.")
-            for _, nbytes in per_size[i]:
+            for _, nbytes, _ in per_size[i]:
                 if nbytes > largest:
                     raise CheckFailed(
                         f"{label}: {world} ranks, tensor of {n} elements: rank {rank} sent "
                         f"{nbytes} bytes in one message, more than one chunk "
                         f"({largest} bytes). Send one chunk per step, not the whole tensor.")
-        total = sum(nbytes for per_size in sends for _, nbytes in per_size[i])
+        total = sum(nbytes for per_size in sends for _, nbytes, _ in per_size[i])
         want = phases * (world - 1) * n * 8  # float64 elements
         if total != want:
             more = "more" if total > want else "fewer"
@@ -229,6 +232,26 @@ def _check_sends(sends: list, world: int, phase: str, label: str) -> None:
                    "carry about 2(p-1)/p of the tensor, not (p-1) times it."
                    if total > want else
                    "Every chunk must travel p-1 hops, each a send of that chunk."))
+
+
+def _check_divided_before_gather(sends: list, world: int, label: str) -> None:
+    """The all-gather half (each rank's last p-1 messages) must carry mean chunks: a rank
+    divides its own reduced chunk, 1/p of the tensor, before passing it on. Dividing the
+    whole tensor after the all-gather gives the same mean for p times the work."""
+    from helpers.collectives import chunk_bounds
+
+    for i, n in enumerate(SIZES):
+        mean = _expected(n, "ring_average", world)
+        bounds = chunk_bounds(n, world)
+        for rank, per_size in enumerate(sends):
+            for _, _, values in per_size[i][world - 1:]:
+                if not any(b - a == values.numel() and torch.allclose(values.double(), mean[a:b])
+                           for a, b in bounds):
+                    raise CheckFailed(
+                        f"{label}: {world} ranks, tensor of {n} elements: in the all-gather "
+                        f"phase rank {rank} passed on a chunk that is not yet the mean (a sum?). "
+                        f"Divide your own reduced chunk by p before the all-gather: each rank "
+                        f"then divides 1/p of the tensor, not all of it after.")
 
 
 _ON = " and ".join(map(str, WORLDS))
@@ -281,6 +304,8 @@ def check_ring_average(ring_average) -> None:
     * dist.all_reduce (or any collective) instead of the ring: switched off (named);
     * passes whole tensors around the ring: more bytes than a ring's (named);
     * rebinds x (``x = x / p``) so the caller's tensor keeps the sum: p times the mean;
+    * divides the whole tensor after the all-gather (the right mean for p times the
+      division work): the all-gather's messages carry sums, not means (named);
     * any exception: the rank's error, as CheckFailed.
     """
     _check(ring_average, "ring_average", "ring_average")

@@ -76,11 +76,14 @@ def check_delayed_scale(learner_fn) -> None:
     * current scaling (the newest amax only): the scale after 8.0 leaves the newest slot;
     * forgets the margin: the margin = 1 run (named);
     * history not rolled (newest overwritten) or rolled the wrong way: named;
-    * a zero amax history dividing by zero (inf scale): step 6 of the length-3 run;
+    * a zero amax history dividing by zero (inf scale): the length-2 run, whose history
+      is all zeros at its first two steps and again at its last;
     * returns None, a single value, or a scale that is not one number: named.
     """
-    amaxes = [2.0, 8.0, 1.0, 0.5, 0.5, 0.5, 0.0, 3.0]
-    for fp8_max, margin, length in ((448.0, 0, 4), (57344.0, 1, 3)):
+    seen = [2.0, 8.0, 1.0, 0.5, 0.5, 0.5, 0.0, 3.0]
+    nothing_yet = [0.0, 0.0, 4.0, 0.0, 0.0, 0.0]     # all-zero history: keep the scale
+    for fp8_max, margin, length, amaxes in ((448.0, 0, 4, seen), (57344.0, 1, 3, seen),
+                                            (448.0, 0, 2, nothing_yet)):
         hist_ref = torch.zeros(length)
         hist, scale_ref = hist_ref.clone(), torch.tensor(1.0)
         scale = scale_ref.clone()
@@ -105,6 +108,10 @@ def check_delayed_scale(learner_fn) -> None:
             # one division fp8_max / amax (the margin's 2^-margin is exact):
             # each side within a rounding of the exact quotient, two if it went
             # through float64 first, so at most gamma(2) apart, twice over
+            if not torch.isfinite(scale):
+                raise CheckFailed(f"step {step} (amax history {hist_ref.tolist()}): the scale "
+                                  f"became {scale.item()}: with nothing seen (every amax 0) "
+                                  f"keep the previous scale instead of dividing by zero")
             if not (scale - scale_ref).abs() <= 2 * gamma(2) * scale_ref.abs():
                 raise CheckFailed(f"step {step} (fp8_max={fp8_max:g}, margin={margin}, amax "
                                   f"history {hist_ref.tolist()}): scale should be "

@@ -99,10 +99,19 @@ def _run_gather_free(gather, free, split):
     # 0-byte storage through a view would crash the rank, not raise).
     weight_ok = (lin.weight.untyped_storage().nbytes() > 0
                  and torch.equal(lin.weight.detach().reshape(-1), want[:8]))
+    # Gather again: an already gathered unit needs nothing. A mark written into the
+    # buffer survives only if no second all-gather overwrote it.
+    regathered = None
+    if states[-1]:
+        with torch.no_grad():
+            original.fill_(-7.0)
+        gather(unit)
+        regathered = bool((original != -7.0).any())
     free(unit)
     states.append(original.untyped_storage().nbytes() > 0)
     return {"states": states, "got": got, "want": want, "weight_ok": weight_ok,
             "rebound": unit.full is not original, "rebound_by_gather": rebound_by_gather,
+            "regathered": regathered,
             "param_bytes": lin.weight.untyped_storage().nbytes()}
 
 
@@ -116,6 +125,8 @@ def check_gather_free(gather, free) -> None:
     * fills without growing the storage first: still 0 bytes (named);
     * all_gather without ``group=unit.group``: the 4-rank run mixes the two groups
       (wrong values or a size error on the ranks);
+    * no already-gathered guard: a second gather all-gathers again (a mark written
+      into the gathered buffer is overwritten; named);
     * free keeps the bytes; free rebinds ``unit.full`` to an empty tensor, so the
       parameters' storage is never released: both named;
     * any exception (None unit fields misused, a shape error): the rank's error.
@@ -144,6 +155,12 @@ def check_gather_free(gather, free) -> None:
             if not out["weight_ok"]:
                 raise CheckFailed(f"{where}, rank {rank}: the Linear's weight does not see the "
                                   f"gathered values: fill unit.full in place, do not replace it")
+            if out["regathered"]:
+                raise CheckFailed(f"{where}, rank {rank}: gather on a unit that is already "
+                                  f"gathered ran the all-gather again (the buffer was "
+                                  f"overwritten). A gathered unit needs nothing: return early "
+                                  f"(is_gathered(unit)), as FSDP does for a unit a prefetch "
+                                  f"already brought in")
             if out["rebound"]:
                 raise CheckFailed(f"{where}, rank {rank}: free replaced unit.full with another "
                                   f"tensor; the parameters still view the old one, whose "

@@ -213,7 +213,11 @@ def check_capstone_verdict(capstone_agrees) -> None:
     for what, run, want in cases:
         got = attempt(capstone_agrees, run, what="capstone_agrees")
         if not isinstance(got, bool):
-            raise CheckFailed(f"capstone_agrees must return a bool, got {type(got).__name__}")
+            kind = f"{type(got).__module__}.{type(got).__qualname__}".removeprefix("builtins.")
+            hint = (" (a comparison of tensors or arrays gives their own bool type: wrap it "
+                    "in bool(...))" if type(got).__module__ in ("numpy", "torch") else "")
+            raise CheckFailed(f"capstone_agrees must return a Python bool, got {kind} "
+                              f"{got!r:.40}{hint}")
         if got != want:
             raise CheckFailed(f"{what}: capstone_agrees returned {got}, expected {want}")
     passed(f"capstone_agrees decides {len(cases)} runs correctly (losses, gradients, steps, NaN)")
