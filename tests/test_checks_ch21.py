@@ -8,8 +8,9 @@ from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch21
 
 
-def _route(logits, k, capacity, renorm=True, token_major=False, off_by_one=False, dim=-1):
-    probs = F.softmax(logits.float(), dim=dim)
+def _route(logits, k, capacity, renorm=True, token_major=False, off_by_one=False, dim=-1,
+           fp32=True):
+    probs = F.softmax(logits.float() if fp32 else logits, dim=dim)
     top_p, experts = probs.topk(k, dim=-1)
     gates = top_p / top_p.sum(-1, keepdim=True) if renorm and k > 1 else top_p
     if capacity is None:
@@ -76,6 +77,8 @@ class TestChapter21(ChapterChecks):
         Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, renorm=False),
               "gates not renormalized", says="renormalize"),
         # token 0's 2nd choice placed before token 1's 1st
+        Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, fp32=False),
+              "softmax in the logits' dtype", says="softmax in float32"),
         Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, token_major=True),
               "capacity filled token-major", says="first choice"),
         Wrong("route_top_k", lambda lg, k, c: (torch.ones(lg.size(0), k),) + _route(lg, k, c)[1:],

@@ -53,7 +53,28 @@ def check_route_top_k(route_top_k) -> None:
     renormalized to a gate of 1 (the router loses its gradient); softmax over the
     tokens instead of the experts; capacity filled token-major (token 0's second
     choice before token 1's first); capacity off by one (slot <= C keeps C + 1);
-    experts not best-first; a wrong return shape or type."""
+    experts not best-first; a wrong return shape or type; a softmax in the logits' own
+    dtype (the bfloat16 case: its probabilities are off by up to 2^-8, 1e-6 allows
+    float32 rounding only)."""
+    _route_cases(route_top_k)
+    _bf16_softmax(route_top_k)
+    passed("routing right: top-1 raw gates, top-k renormalized, capacity first choices first, "
+           "softmax in float32")
+
+
+def _bf16_softmax(route_top_k) -> None:
+    logits = (torch.randn(16, 6, generator=torch.Generator().manual_seed(7)) * 2).bfloat16()
+    want_g, _, _ = _ref_route(logits.float(), 2, None)
+    got = attempt(route_top_k, logits.clone(), 2, None, what="route_top_k on bfloat16 logits")
+    if not (isinstance(got, tuple) and len(got) == 3):
+        raise CheckFailed("route_top_k must return (gates, experts, keep)")
+    g = _tensor(got[0], "gates")
+    if tuple(g.shape) != tuple(want_g.shape) or (g.float() - want_g).abs().max() > 1e-6:
+        raise CheckFailed("gates differ for bfloat16 logits (T=16, E=6, k=2): take the "
+                          "softmax in float32 (logits.float()) whatever the logits' dtype")
+
+
+def _route_cases(route_top_k) -> None:
     for T, E, k, cap, seed in ROUTE_CASES:
         logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
         want_g, want_e, want_keep = _ref_route(logits, k, cap)
