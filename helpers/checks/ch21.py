@@ -103,7 +103,6 @@ def _route_cases(route_top_k) -> None:
                         "choice gets a slot before any second choice, in token order.")
             raise CheckFailed(f"kept choices differ for {case} (expected "
                               f"{int(want_keep.sum())} kept of {T * k}).{hint}")
-    passed("routing right: top-1 raw gates, top-k renormalized, capacity first choices first")
 
 
 def _dispatch_rank(dispatch, E, H):
