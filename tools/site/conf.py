@@ -47,6 +47,34 @@ add_module_names = False
 nitpicky = True
 nitpick_ignore_regex = [("py:class", r"torch\..*"), ("py:class", r"helpers\..*\._\w+")]
 
+# MathJax from the site itself, not from a CDN, so that the pages show their math
+# offline (a workshop room without internet, a saved copy, CI). The copy is the
+# MathJax 2.7 that Jupyter serves to notebooks, packaged on PyPI as
+# jupyter-server-mathjax (in the site group): no npm, no download at build time.
+def _local_mathjax() -> str:
+    import shutil
+
+    import jupyter_server_mathjax
+    src = pathlib.Path(jupyter_server_mathjax.__file__).parent / "static"
+    dest = pathlib.Path(__file__).parent / "_static_mathjax" / "mathjax"
+    if not (dest / "MathJax.js").exists():
+        shutil.copytree(src, dest, dirs_exist_ok=True)
+    return str(dest.parent)
+
+
+html_static_path = [_local_mathjax()]
+# myst would configure MathJax 3 and mark each page's section "tex2jax_ignore" (so that
+# a 3.x reads only the math elements); MathJax 2 would then skip the whole page.
+# MathJax 2's own defaults read \(..\) and \[..\], which is what myst writes, and
+# never a bare $.
+myst_update_mathjax = False
+mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"  # the config it ships
+# The package carries the STIX-Web fonts only (as Jupyter configures it): use them,
+# and no image fonts.
+mathjax2_config = {"HTML-CSS": {"availableFonts": [], "preferredFont": None,
+                                "webFont": "STIX-Web", "imageFont": None},
+                   "SVG": {"font": "STIX-Web"}}
+
 html_theme = "alabaster"
 html_title = project
 html_theme_options = {"page_width": "1180px", "sidebar_width": "260px"}
