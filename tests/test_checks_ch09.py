@@ -31,6 +31,17 @@ def _mlp_left_dense(block, group=None):
     return tp
 
 
+def _mlp_swapped(block, group=None):
+    # Plausible mistake: the MLP's pair the wrong way round (row first, column second).
+    tp = copy.deepcopy(block)
+    tp.attn = ParallelSelfAttention(
+        block.attn, group, c_attn=ColumnParallelLinear.from_dense(block.attn.c_attn, group, parts=3),
+        c_proj=RowParallelLinear.from_dense(block.attn.c_proj, group))
+    tp.mlp.c_fc = RowParallelLinear.from_dense(block.mlp.c_fc, group)
+    tp.mlp.c_proj = ColumnParallelLinear.from_dense(block.mlp.c_proj, group)
+    return tp
+
+
 def _loss(logits, targets, group=None, ignore_index=-100, *, shift="global", offset=True,
           drop_ignored=True):
     """The vocab-parallel loss with one of its steps varied, for the wrong answers."""
@@ -90,6 +101,8 @@ class TestChapter09(ChapterChecks):
         Wrong("parallelize_block", _qkv_split_contiguously, "q, k, v split contiguously",
               says="split by heads"),
         Wrong("parallelize_block", _mlp_left_dense, "the MLP left dense", says="still dense"),
+        Wrong("parallelize_block", _mlp_swapped, "the MLP's column and row layers swapped",
+              says="shapes do not chain"),
         Wrong("vocab_parallel_loss", _loss_no_shift, "no max subtracted", says="overflows"),
         Wrong("vocab_parallel_loss", _loss_local_max, "each rank's own max", says="global one"),
         Wrong("vocab_parallel_loss", _loss_global_id, "target at its global id",

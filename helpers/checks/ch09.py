@@ -70,14 +70,22 @@ def _run_block(parallelize_block):
                               zip(block.parameters(), dense.parameters())))
 
 
+_SHAPES = ("the shards' shapes do not chain: in Megatron's pairs the first layer is "
+           "column-parallel (its output features split over ranks: QKV, MLP up) and the "
+           "second row-parallel (its input features split: attention out, MLP down). "
+           "Swapped, each rank's output does not fit the next layer's input")
+
+
 def check_parallelize_block(parallelize_block) -> None:
     """2 ranks: a block with 4 heads, hidden 16, MLP 64, float64, vs the dense block.
     Mistakes it catches: q, k, v cut contiguously instead of by heads; a layer left
     dense (more parameter bytes than the split); the dense block modified; extra or
-    missing all-reduces."""
+    missing all-reduces; column- and row-parallel swapped in a pair (the shapes do not
+    chain: named)."""
     from helpers.model import Block, GPTConfig
     res = on_ranks(_run_block, 2, parallelize_block, what="parallelize_block",
-                   probe=lambda: parallelize_block(Block(GPTConfig()), None))
+                   probe=lambda: parallelize_block(Block(GPTConfig()), None),
+                   hints={"cannot be multiplied": _SHAPES})
     for rank, out in enumerate(res):
         w = out["want"]
         if not out["untouched"]:
