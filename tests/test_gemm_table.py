@@ -68,16 +68,10 @@ def test_unknown_table_and_bad_sizes():
         GemmTable.load("h100").rate(2048, 4096, 4096, "fp16")
 
 
-def test_benchmark_writes_a_table_the_planner_reads(tmp_path, capsys):
+def test_benchmark_writes_a_table_the_planner_reads(tmp_path, load_bench):
     # The benchmark's CSV is the stored table's format: a table measured on another
     # GPU with bench_gemm.py can be added to TABLES as it is. (CPU figures: format only.)
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_gemm", Path(__file__).parents[1] / "benchmarks" / "bench_gemm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_gemm")
     out = tmp_path / "cpu.csv"
     assert bench.main(["--hidden", "256", "--tokens", "32", "--tp", "1", "2", "--reps", "1",
                        "--out", str(out)]) == 0
