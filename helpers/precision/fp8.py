@@ -101,9 +101,9 @@ def update_delayed_scale(amax_history: torch.Tensor, new_amax, scale, *, fp8_max
     return history, new_scale
 
 
-def _cast_and_amax(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype
+def _cast_and_amax(x: torch.Tensor, scale: torch.Tensor, dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype), x.abs().amax().float()
+    return quantize(x, dtype, scale), x.abs().amax().float()
 
 
 _COMPILED: dict[str, object] = {}
@@ -126,7 +126,7 @@ def cast_and_amax(x: torch.Tensor, scale: torch.Tensor, dtype, fused: bool = Fal
         if "fn" not in _COMPILED:
             _COMPILED["fn"] = torch.compile(_cast_and_amax, fullgraph=True)
         fn = _COMPILED["fn"]
-    return fn(x, scale, check_fp8(dtype), dtype)
+    return fn(x, scale, dtype)
 
 
 @dataclasses.dataclass
