@@ -20,6 +20,8 @@ import pathlib
 import nbformat
 import pytest
 
+from notebook_ast import called_name, code_cells
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOST_CLOCKS = {"perf_counter", "time", "monotonic", "thread_time"}
 
@@ -35,23 +37,9 @@ ALLOWED = {
 
 
 
-def code_cells(path: pathlib.Path) -> list[tuple[int, ast.Module]]:
-    """(cell index, parsed source) of every code cell; IPython magics dropped."""
-    nb = nbformat.read(path, 4)
-    out = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            src = "\n".join(line for line in cell.source.splitlines()
-                            if not line.lstrip().startswith(("%", "!")))
-            out.append((i, ast.parse(src)))
-    return out
-
-
 def _launched(call: ast.Call) -> ast.expr | None:
     """The function argument of ``launch(fn, ...)``, unwrapping ``partial(fn, ...)``."""
-    f = call.func
-    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-    if name != "launch" or not call.args:
+    if called_name(call) != "launch" or not call.args:
         return None
     fn = call.args[0]
     if isinstance(fn, ast.Call) and fn.args and getattr(fn.func, "id", getattr(fn.func, "attr", "")) \

@@ -36,6 +36,7 @@ import importlib
 from helpers import launch, rank_info
 from helpers.data import make_dataset
 from helpers.model import build_model
+from notebook_ast import called_name, code_cells
 
 info_mod = importlib.import_module("helpers.launch.info")  # helpers.launch is also a function
 
@@ -48,27 +49,8 @@ FACTORIES = {"randn", "rand", "randint", "randperm", "zeros", "ones", "empty", "
 
 
 
-def _code(source: str) -> str:
-    """A cell's source with IPython magics and shell escapes blanked (line numbers kept)."""
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                     for line in source.splitlines())
-
-
-def _called_name(call: ast.Call) -> str | None:
-    f = call.func
-    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-
-
 def _names_passed(call: ast.Call) -> list[ast.expr]:
     return list(call.args) + [k.value for k in call.keywords]
-
-
-def _cells(path: pathlib.Path) -> list[tuple[int, ast.Module]]:
-    import nbformat
-
-    nb = nbformat.read(path, 4)
-    return [(i, ast.parse(_code(c.source), filename=f"{path.name}[cell {i}]"))
-            for i, c in enumerate(nb.cells) if c.cell_type == "code"]
 
 
 def rank_functions(cells: list[tuple[int, ast.Module]]) -> dict[str, list]:
@@ -84,7 +66,7 @@ def rank_functions(cells: list[tuple[int, ast.Module]]) -> dict[str, list]:
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
-            name = _called_name(node)
+            name = called_name(node)
             if name == "launch" and node.args:
                 first = node.args[0]
                 if isinstance(first, ast.Name):
@@ -146,7 +128,7 @@ def offences(fn: ast.AST) -> list[tuple[int, str]]:
         if is_torch and f.attr in FACTORIES and "device" not in keywords \
                 and id(node) not in moved:
             bad.append((node.lineno, f"{ast.unparse(node)[:70]} has no device="))
-        elif _called_name(node) == "build_model" and isinstance(keywords.get("device"),
+        elif called_name(node) == "build_model" and isinstance(keywords.get("device"),
                                                                  ast.Constant):
             bad.append((node.lineno, f"{ast.unparse(node)[:70]} pins the device "
                                      f"(leave it out: the default is the rank's device)"))
@@ -154,7 +136,7 @@ def offences(fn: ast.AST) -> list[tuple[int, str]]:
 
 
 def notebook_offences(path: pathlib.Path) -> list[str]:
-    cells = _cells(path)
+    cells = code_cells(path)
     out = []
     for name, places in rank_functions(cells).items():
         for cell, fn in places:
@@ -191,7 +173,7 @@ def test_the_scan_sees_what_it_claims(tmp_path):
     )]
     path = tmp_path / "nb.ipynb"
     write(nb, path)
-    cells = _cells(path)
+    cells = code_cells(path)
     assert set(rank_functions(cells)) == {"fn", "make", "<lambda>"}
     lines = {(name, line) for name, places in rank_functions(cells).items()
              for _, f in places for line, _ in offences(f)}
