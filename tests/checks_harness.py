@@ -29,10 +29,9 @@ Tests that don't fit the table stay ordinary test functions in the chapter's fil
 
 Wrong answers are module-level functions (or lambdas, or classes) of the test file,
 passed to the check as they are: checks that run the learner's code on ranks ship it
-there with cloudpickle, by value for a module that registered itself with
-``cloudpickle.register_pickle_by_value`` (ch03, ch04: then a rank need not import the
-test module, and with it pytest), by reference otherwise. Nothing of this module is
-shipped.
+there with cloudpickle, by value (``tests/conftest.py`` registers every module of
+``tests/`` with ``cloudpickle.register_pickle_by_value``, so a rank never imports the
+test module, and with it pytest). Nothing of this module is shipped.
 """
 
 from __future__ import annotations

@@ -9,11 +9,31 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _ship_test_modules_by_value() -> None:
+    """A function of a test module that a test launches on ranks travels by value.
+
+    By reference (cloudpickle's default for an importable module), every rank would
+    import the test module, and with it pytest, nbformat and the harness: about a
+    second of CPU per rank, four ranks on two cores, for each of several hundred
+    launches (it was most of the lab checks' test time). By value, a rank imports only
+    what the function itself uses (torch, helpers)."""
+    import cloudpickle
+
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and pathlib.Path(path).resolve().parent == TESTS and name != "conftest":
+            cloudpickle.register_pickle_by_value(module)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: skipped without it (CI, a laptop), and
     what ``make test-gpu`` runs first on a GPU node (``pytest -m gpu``)."""
     import torch
 
+    _ship_test_modules_by_value()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu runs these on a GPU node)")

@@ -29,8 +29,9 @@ turns on ``torch.use_deterministic_algorithms`` for the run, and puts both back
 afterwards (under torchrun the run is the caller's own process). On CPU the
 thread count is what matters: a reduction split over N threads adds N partial
 sums, so 1 and 8 threads round differently (in the toy GPT, LayerNorm's weight
-and bias gradients, summed over the batch's rows; a matmul with a long inner
-dimension is split over threads the same way). Without the pin the
+and bias gradients, summed over the batch's rows by ATen's own kernel, on every
+CPU; a matmul's long inner dimension too where the CPU's BLAS splits it over
+threads, as MKL does on Intel CPUs). Without the pin the
 thread count comes from outside: ``launch`` gives each rank
 ``cpu_count // world_size`` threads, ``torchrun`` sets ``OMP_NUM_THREADS=1`` for
 its workers when there is more than one; on a 16-core machine a launched
