@@ -3,7 +3,9 @@
 One mechanism per module; each opens with a docstring that explains it.
 ``launch`` and ``rank_info`` are imported here because every chapter uses them.
 In a notebook kernel, importing the package also applies the course's plot
-style (``helpers.plots``); ranks and scripts skip it.
+style (``helpers.plots``) and starts the rank server in the background
+(``helpers.launch.pool.prestart``: it imports torch, seconds, while the notebook's
+first cells run, so the first launch finds it ready); ranks and scripts skip both.
 """
 
 import sys
@@ -15,7 +17,10 @@ import helpers.debug  # noqa: E402,F401
 
 if "ipykernel" in sys.modules:  # a Jupyter kernel; ranks are plain processes and never plot
     from helpers import plots as _plots
+    from helpers.launch import info as _info, pool as _pool
 
     _plots.use()
+    if not _info.under_torchrun() and not _info.in_rank():
+        _pool.prestart()
 
 __all__ = ["launch", "rank_info", "RankInfo", "RankError", "RankTimeout", "shutdown"]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import RankError, RankTimeout, launch, rank_info, shutdown
+from helpers.launch.arguments import resolve_backend
 
 
 def child_pids() -> set[int]:
@@ -106,7 +107,11 @@ def test_results_in_rank_order_with_closure_args_and_kwargs():
     out = launch(fn, 3, 1.0, b=2.0)
     assert [o["rank"] for o in out] == [0, 1, 2]
     assert all(o["world"] == 3 and o["sum"] == 3 + 13 for o in out)
-    assert all(o["backend"] == "gloo" and o["device"] == "cpu" for o in out)
+    # gloo on CPU here; on a node with 3 or more GPUs "auto" picks nccl, a rank per GPU
+    backend = resolve_backend("auto", 3)
+    assert all(o["backend"] == backend for o in out)
+    assert [o["device"] for o in out] == (["cpu"] * 3 if backend == "gloo" else
+                                          [f"cuda:{r}" for r in range(3)])
 
 
 def test_namedtuple_and_dataclass_results_come_back_detached():
@@ -190,6 +195,95 @@ def test_rank_output_reaches_caller_prefixed(capsys):
     out = capsys.readouterr().out
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
     assert "[rank 1] no newline at the end" in out
+
+
+def _chatty(lines: int):
+    for i in range(lines):
+        print(f"line {i}")
+    if rank_info().rank == 1 and lines > 10:
+        raise ValueError("and then it failed")
+    return lines
+
+
+def test_a_rank_that_prints_too_much_is_cut_short_with_where_the_rest_is(capsys):
+    """200,000 lines from one rank would freeze a notebook's browser tab: the first
+    SHOWN_LINES are streamed, the rest held back, and the note says where all of it is,
+    also when the launch then fails."""
+    from helpers.launch import launcher
+
+    with pytest.raises(RankError, match="and then it failed"):
+        launch(_chatty, 2, 200_000)
+    captured = capsys.readouterr()
+    for rank in (0, 1):
+        shown = [ln for ln in captured.out.splitlines() if ln.startswith(f"[rank {rank}] line ")]
+        assert len(shown) == launcher.SHOWN_LINES
+        assert shown[-1] == f"[rank {rank}] line {launcher.SHOWN_LINES - 1}"
+        note = [ln for ln in captured.err.splitlines()
+                if ln.startswith(f"[launch] rank {rank} printed 200,000 lines")]
+        assert len(note) == 1 and "only the first 1,000 lines" in note[0]
+        path = note[0].rsplit(" ", 1)[1]
+        with open(path) as f:
+            whole = f.read().splitlines()
+        assert len(whole) == 200_000 and whole[-1] == f"[rank {rank}] line 199999"
+        assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    launch(_chatty, 2, 3)  # a short output: all of it, and no note
+    captured = capsys.readouterr()
+    assert captured.out.count("] line ") == 6 and "[launch]" not in captured.err
+
+
+def _listening_sockets_of_this_process() -> set[str]:
+    """Inodes of TCP sockets in LISTEN state (st 0A) that this process holds open."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A":
+                    listening.add(fields[9])
+    ours = {os.readlink(f"/proc/self/fd/{fd}")[8:-1] for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+            and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:[")}
+    return listening & ours
+
+
+def test_the_rendezvous_is_private_to_its_user():
+    """Ranks meet through a file in a folder only this user can enter, not a TCP port
+    anyone on the machine can connect to (torchrun's TCPStore)."""
+    launch(os.getpid, 2)
+    assert _listening_sockets_of_this_process() == set()  # nothing to connect to
+    rundir = LAUNCH._POOL.rundir
+    st = os.stat(rundir)
+    assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700
+    if os.getuid() != 0:
+        pytest.skip("a stranger's access is tried as root only (it becomes another user)")
+    # A stranger (another user of the machine) can neither list nor open it: a child
+    # that becomes "nobody" tries.
+    probe = textwrap.dedent(f"""
+        import os, sys
+        os.setgid(65534); os.setuid(65534)
+        for what in (lambda: os.listdir({rundir!r}),
+                     lambda: open(os.path.join({rundir!r}, "launch1.store"), "a")):
+            try:
+                what()
+                sys.exit("a stranger got in")
+            except PermissionError:
+                pass
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_in_a_notebook_the_server_starts_with_the_import(capsys):
+    """helpers.launch.pool.prestart (what ``import helpers`` calls in a kernel) starts
+    the server without waiting; the first launch then waits only for what is left."""
+    shutdown()
+    LAUNCH.prestart()
+    server = LAUNCH._POOL
+    assert server is not None and not server.ready
+    assert launch(os.getpid, 2) and LAUNCH._POOL is server and server.ready
+    assert "ready in" in capsys.readouterr().err
+    LAUNCH.prestart()  # a second import (a rerun cell) changes nothing
+    assert LAUNCH._POOL is server
 
 
 def test_same_seed_on_every_rank_matches_single_process():
@@ -558,36 +652,16 @@ def test_server_restarts_when_what_it_imported_changes(tmp_path, monkeypatch, ca
 # Descriptors and lifetime (issue 12, item 4).
 # --------------------------------------------------------------------------
 
-def store_sockets(port: int) -> set[str]:
-    """Inodes of TCP sockets on the store's port: its listening socket and
-    one accepted connection per rank or spare that is connected to it."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                fields = row.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    return inodes
-
-
-def open_fds(port: int) -> tuple[int, int]:
-    """(our descriptors not on the store's port, those on it). Spares connect
-    to the store as they are forked, so the second number moves on its own."""
-    store = store_sockets(port)
-    links = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-             if os.path.exists(f"/proc/self/fd/{fd}")]
-    on_store = sum(link.startswith("socket:[") and link[8:-1] in store for link in links)
-    return len(links) - on_store, on_store
+def open_fds() -> int:
+    return len([fd for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")])
 
 
 def test_failed_launches_leak_no_file_descriptors():
     launch(os.getpid, 2)
     gc.collect()
     gc.disable()  # what a learner's kernel does between collections: only refcounts free
-    port = LAUNCH._POOL.store.port
     try:
-        before, _ = open_fds(port)
+        before = open_fds()
         errors = []
         for _ in range(4):  # each kept, with its traceback, as sys.last_value would be
             with pytest.raises(RankError) as err:
@@ -596,10 +670,11 @@ def test_failed_launches_leak_no_file_descriptors():
         with pytest.raises(RankTimeout) as err:
             launch(lambda: dist.recv(torch.zeros(1), src=1 - rank_info().rank), 2, timeout=1)
         errors.append(err.value)
-        assert open_fds(port)[0] == before
-        shutdown()  # the server's socket and the store's listening socket close now
-        after, on_store = open_fds(port)
-        assert on_store == 0 and after < before - 2  # the server's socket (2) and the store's loop
+        assert open_fds() == before
+        rundir = LAUNCH._POOL.rundir
+        shutdown()  # the socket to the server (our end and its duplicate) closes now
+        assert open_fds() <= before - 2
+        assert not os.path.exists(rundir)  # and the private folder is gone
         assert_no_children()
     finally:
         gc.enable()
@@ -608,6 +683,16 @@ def test_failed_launches_leak_no_file_descriptors():
 # --------------------------------------------------------------------------
 # Interrupts (issue 21, item 4).
 # --------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as in a terminal or a kernel, also when this run
+    inherited SIGINT ignored (``make test &`` or nohup in a script: a shell starts
+    background jobs with SIGINT ignored, and Python then installs no handler)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
 
 def interrupt_after(seconds: float) -> threading.Timer:
     """Ctrl-C / Jupyter's interrupt: SIGINT to this process, in `seconds`."""

@@ -131,11 +131,16 @@ def describe_exit(code: int | None) -> str:
 
 _COMM_WORDS = ("connection closed", "connection reset", "timed out", "timeout",
                "broken pipe", "gloo", "nccl")
+# What a backend raises when a peer went away (torch.distributed's DistError family,
+# and the OS's): a TypeError or ValueError naming nccl is the rank's own mistake.
+_COMM_TYPES = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError",
+               "DistStoreError", "TimeoutError", "OSError", "ConnectionError",
+               "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError")
 
 
 def _is_comm_error(details: tuple) -> bool:
     text = f"{details[0]} {details[1]}".lower()
-    return any(w in text for w in _COMM_WORDS)
+    return details[0] in _COMM_TYPES and any(w in text for w in _COMM_WORDS)
 
 
 def is_root_cause(kind: str, details: tuple) -> bool:

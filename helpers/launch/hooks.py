@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from typing import Any, Callable
 
 # Inside a rank: the file its record channel appends to (see record_path).
@@ -33,21 +32,20 @@ def set_record_path(path: str) -> None:
     _RECORD_PATH = path
 
 
-def record_path(store_port: int, generation: int, rank: int) -> str:
-    """Where a rank's collective record goes: a file per rank, in memory
-    (/dev/shm) where there is one. Appending costs a write() per call, and
-    unlike a message on the rank's socket it wakes nobody: the caller reads the
-    files only when a launch fails, including when the rank hangs or is killed
-    (what was written before is there). The store's port (held by this caller)
-    and the launch's number make the name unique."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"course-record-{store_port}-{generation}-{rank}")
+def record_path(rundir: str, generation: int, rank: int) -> str:
+    """Where a rank's record goes: a file per rank in the launcher's private folder
+    (``Pool.rundir``: only its user can read it; in memory, /dev/shm, where there is
+    one). Appending costs a write() per call, and unlike a message on the rank's
+    socket it wakes nobody: the caller reads the files only when a launch fails,
+    including when the rank hangs or is killed (what was written before is there).
+    The launch's number makes the name unique."""
+    return os.path.join(rundir, f"record-{generation}-{rank}")
 
 
-def remove_records(store_port: int, generation: int, n: int) -> None:
+def remove_records(rundir: str, generation: int, n: int) -> None:
     for rank in range(n):
         try:
-            os.unlink(record_path(store_port, generation, rank))
+            os.unlink(record_path(rundir, generation, rank))
         except OSError:
             pass
 
@@ -66,12 +64,12 @@ def rank_channel() -> Callable[[tuple], None] | None:
     return append
 
 
-def read_records(store_port: int, generation: int, n: int) -> dict[int, list[tuple]]:
+def read_records(rundir: str, generation: int, n: int) -> dict[int, list[tuple]]:
     """Every rank's recorded events; a frame cut short (a rank killed while
     writing it) is dropped. (``launch`` removes the files when the ranks are gone.)"""
     out: dict[int, list[tuple]] = {}
     for rank in range(n):
-        path = record_path(store_port, generation, rank)
+        path = record_path(rundir, generation, rank)
         try:
             with open(path, "rb") as f:
                 blob = f.read()

@@ -21,6 +21,7 @@ class RankInfo:
     local_rank: int
     backend: str
     device: str  # "cpu" or "cuda:<local_rank>"
+    nccl_rules: bool = False  # gloo behaving as nccl would (helpers.launch.nccl_rules)
 
     @property
     def is_main(self) -> bool:
@@ -53,6 +54,11 @@ def rank_device(device=None):
     "cuda:<local_rank>" in an nccl job, "cpu" otherwise and outside a launch. The
     default of every helper that builds a rank's model or batch."""
     return rank_info().device if device is None else device
+
+
+def in_rank() -> bool:
+    """Inside a launch's rank (or its rank server)."""
+    return os.environ.get("_COURSE_POOL_WORKER") == "1"
 
 
 def under_torchrun() -> bool:

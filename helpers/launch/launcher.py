@@ -3,14 +3,22 @@
 Ship ``fn``, have the server fork the ranks, then wait on every rank's
 socket at once, with a deadline, and either return the results in rank
 order or raise the error that names the rank that started the failure.
+
+What a rank prints is streamed to the caller line by line, up to a limit per
+rank and launch (``SHOWN_LINES``, ``SHOWN_BYTES``): a rank printing in a loop can
+produce more than a browser can show (a notebook output of 200,000 lines
+freezes the tab). The rest is kept whole in a file, and the launch ends with a
+note saying how much was held back and where it is (``output_file``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import multiprocessing.connection as mpc
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -18,10 +26,11 @@ from typing import Any, Callable
 import cloudpickle
 
 from helpers.launch import hooks
+from helpers.launch import nccl_rules as nccl_rules_mode
 from helpers.launch.arguments import check_args, resolve_backend
 from helpers.launch.errors import RankError, RankTimeout, describe_exit, is_root_cause, raise_root_cause
 from helpers.launch.info import under_torchrun
-from helpers.launch.pool import POOL_LOCK, Pool, ServerGone, get_pool, kill_pool
+from helpers.launch.pool import POOL_LOCK, Pool, ServerGone, get_pool, kill_pool, private_dir
 from helpers.launch.shipping import LaunchSpec, ship
 from helpers.launch.torchrun import launch_under_torchrun
 
@@ -40,9 +49,14 @@ _GRACE = 1.0
 _GENERATIONS = itertools.count(1)
 
 
+# What a launch streams of each rank's output, at most; the rest goes to a file.
+SHOWN_LINES = 1000
+SHOWN_BYTES = 200_000
+
+
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float = 60.0, seed: int = 0, seed_per_rank: bool = False,
-           record: bool = False, **kwargs: Any) -> list[Any]:
+           record: bool = False, nccl_rules: bool | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return results in rank order.
 
     backend: "auto" (nccl with one GPU per rank if there are enough GPUs, else
@@ -55,6 +69,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         option helpers.debug registers, see helpers.launch.hooks). Either
         way, if the ranks recorded their collectives and the launch fails, the
         error ends with the cross-rank diff (``err.diff``, ``err.records``).
+    nccl_rules: on gloo ranks, behave as nccl would where that changes the
+        outcome (helpers.launch.nccl_rules): a hang or an error a GPU node would
+        show appears here. None: on if ``COURSE_NCCL_RULES=1`` is in the environment.
     Keyword arguments other than these go to ``fn``.
     """
     check_args(fn, world_size, timeout)
@@ -65,6 +82,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     if os.environ.get("_COURSE_POOL_WORKER") == "1":
         raise RuntimeError("launch() called inside a rank: nested launches are not supported")
     backend = resolve_backend(backend, world_size)
+    # The rules make gloo behave as nccl; on nccl itself there is nothing to emulate.
+    rules = nccl_rules_mode.requested(nccl_rules) and backend == "gloo"
     try:
         payload, sources = ship((fn, args, kwargs))
     except Exception as exc:
@@ -73,11 +92,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 
     with POOL_LOCK:
         pool, conns, generation = _start_ranks(world_size, backend, timeout, seed,
-                                               seed_per_rank, payload, sources)
-        port = pool.store.port  # (names the launch's record files)
+                                               seed_per_rank, payload, sources, rules)
+        rundir = pool.rundir  # (kept: a failed launch may replace the pool)
+        outputs = [RankOutput(generation, r) for r in range(world_size)]
         ended = False  # are all of this launch's ranks gone or going?
         try:
-            results = _collect(pool, conns, generation, time.monotonic() + timeout)
+            results = _collect(pool, conns, generation, time.monotonic() + timeout, outputs)
             for c in conns:  # every rank answered: let them exit (in a few ms;
                 with contextlib.suppress(OSError):  # no need to wait for it)
                     c.send_bytes(b"bye")
@@ -92,23 +112,27 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         finally:
             for c in conns:
                 c.close()
-            hooks.remove_records(port, generation, world_size)  # if any rank wrote one
+            hooks.remove_records(rundir, generation, world_size)  # if any rank wrote one
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(rundir, f"launch{generation}.store"))
+            for out in outputs:
+                out.close()
             if not ended:  # the server did not answer: replace it
                 kill_pool()
         return results
 
 
-def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sources):
+def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sources, rules):
     """Fork the launch's ranks; a server found dead is replaced, not reported."""
     for attempt in range(2):
         try:
             pool = get_pool(world_size)
             pool.exits.clear()  # reports of earlier launches: nobody asks for them
             generation = next(_GENERATIONS)
-            spec = LaunchSpec(generation, world_size, backend, pool.store.port,
+            spec = LaunchSpec(generation, world_size, backend, pool.rundir,
                               float(timeout) + _PG_TIMEOUT_MARGIN, seed, seed_per_rank,
                               dict(os.environ), os.getcwd(), list(sys.path), payload,
-                              sources)
+                              sources, rules)
             return pool, pool.start_ranks(spec), generation
         except ServerGone:
             # It died while idle (killed by hand, out of memory) and we only saw
@@ -122,8 +146,61 @@ def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sou
             raise
 
 
+class RankOutput:
+    """What one rank of a launch printed: streamed to the caller up to ``SHOWN_LINES``
+    lines or ``SHOWN_BYTES`` characters, all of it in ``output_file(generation,
+    rank)`` once it ran past that (the file holds the shown part too)."""
+
+    def __init__(self, generation: int, rank: int):
+        self.generation, self.rank = generation, rank
+        self.lines = self.chars = 0
+        self.shown: list[str] = []  # what was streamed, until a file takes over
+        self.file = None
+        self.path: str | None = None
+
+    def write(self, stream_name: str, text: str) -> None:
+        self.lines += text.count("\n")
+        self.chars += len(text)
+        if self.file is None and self.lines <= SHOWN_LINES and self.chars <= SHOWN_BYTES:
+            self.shown.append(text)
+            stream = sys.stdout if stream_name == "stdout" else sys.stderr
+            stream.write(text)
+            stream.flush()
+            return
+        if self.file is None:
+            self.path = output_file(self.generation, self.rank)
+            self.file = open(self.path, "w")
+            self.file.write("".join(self.shown))
+            self.shown = []
+        self.file.write(text)
+
+    def close(self) -> None:
+        """Close the file, and say what was held back (after the rank's last line)."""
+        if self.file is None:
+            return
+        self.file.close()
+        self.file = None
+        sys.stderr.write(f"[launch] rank {self.rank} printed {self.lines:,} lines "
+                         f"({self.chars:,} characters); only the first {SHOWN_LINES:,} lines "
+                         f"(at most {SHOWN_BYTES:,} characters) are shown above. All of it is "
+                         f"in {self.path}\n")
+        sys.stderr.flush()
+
+
+_OUTPUT_DIR: list[str] = []
+
+
+def output_file(generation: int, rank: int) -> str:
+    """Where a rank's whole output goes once it outgrew the stream: a private folder
+    (helpers.launch.pool.private_dir) kept until the caller's process exits."""
+    if not _OUTPUT_DIR:
+        _OUTPUT_DIR.append(private_dir("course-output-"))
+        atexit.register(shutil.rmtree, _OUTPUT_DIR[0], True)
+    return os.path.join(_OUTPUT_DIR[0], f"launch{generation}-rank{rank}.txt")
+
+
 def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
-             deadline: float) -> list[Any]:
+             deadline: float, outputs: list[RankOutput]) -> list[Any]:
     """Every rank's result, or the error that names the rank that started a failure.
 
     Which rank to name is decided from facts, not from which message came first.
@@ -174,9 +251,7 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
                 died(rank, pool.exit_code(generation, rank))
                 continue
             if msg[0] == "out":
-                stream = sys.stdout if msg[1] == "stdout" else sys.stderr
-                stream.write(msg[2])
-                stream.flush()
+                outputs[rank].write(msg[1], msg[2])
             elif msg[0] == "result":
                 results[rank] = msg[1]
             elif msg[0] == "error":
@@ -200,7 +275,7 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
             f"order. All ranks were stopped.", unfinished)
     except RankError as err:
         # The ranks still run (they are killed after this): what they wrote so far.
-        recorded = hooks.read_records(pool.store.port, generation, n)
+        recorded = hooks.read_records(pool.rundir, generation, n)
         if any(recorded.values()):
             hooks.report_failure(err, recorded, _rank_status(n, results, failures))
         raise

@@ -1,22 +1,33 @@
 """The caller's handle on the rank server: start it, talk to it, replace it.
 
 One server per caller process (the notebook's kernel), started by the first
-launch and kept: later launches fork their ranks from it. It is replaced
-when it died, or when a file it imported or an environment variable read at
-torch's import changed (a fork would run stale code). The caller also hosts
-the ``TCPStore`` in which every launch's ranks meet.
+launch (or, in a notebook, when ``helpers`` is imported: ``prestart``) and
+kept: later launches fork their ranks from it. It is replaced when it died, or
+when a file it imported or an environment variable read at torch's import
+changed (a fork would run stale code).
+
+Where the ranks meet: a folder only this user can enter (``rundir``, made by
+``tempfile.mkdtemp``, mode 0700, in /dev/shm where there is one). Each launch's
+ranks rendezvous through a ``FileStore`` there, a file per launch, and write
+their collective records next to it. torchrun's rendezvous is a ``TCPStore`` on a
+port anyone on the machine can connect to and write keys into; on a shared
+workshop node another user could join or disturb a learner's launch that way.
+A file in a private folder cannot be opened by another (non-root) user, and no
+port is listening for the store at all. (The ranks' gloo connections still use
+ports on 127.0.0.1, as under torchrun.)
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import multiprocessing.connection as mpc
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -54,9 +65,17 @@ class ServerGone(Exception):
     """The server closed its socket (it died) before a reply."""
 
 
+def private_dir(prefix: str) -> str:
+    """A new folder only this user can enter (mkdtemp: mode 0700), in memory
+    (/dev/shm) where there is one."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
 class Pool:
     """The caller's handle on the rank server: its process, the socket to it,
-    and the TCPStore every launch's ranks meet in.
+    and the private folder every launch's ranks meet in (``rundir``).
 
     The server is started with subprocess rather than multiprocessing, which
     would re-import the caller's __main__ (a notebook has none to import, and
@@ -66,18 +85,14 @@ class Pool:
     def __init__(self):
         import subprocess
 
-        import torch.distributed as dist
-
-        # The caller hosts the store; port 0 -> the OS picks a free port and we keep it.
-        self.store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
-                                   timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        self.rundir = private_dir("course-launch-")
         self.env_at_start = _import_time_env()
+        self.ready = False  # set by wait_ready
         self.stamps: dict[str, int] = {}  # filled by the server's "ready"
         self.exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> returncode
         self.sock, theirs = socket.socketpair()
         path = os.environ.get("PYTHONPATH")
         env = dict(os.environ, _COURSE_POOL_WORKER="1", _COURSE_POOL_FD=str(theirs.fileno()),
-                   _COURSE_STORE_PORT=str(self.store.port),
                    PYTHONPATH=_ROOT + (os.pathsep + path if path else ""))
         try:
             self.proc = subprocess.Popen(
@@ -117,6 +132,7 @@ class Pool:
             raise RankTimeout("the rank server did not start within the timeout "
                               "(is the machine overloaded?)", [])
         self.stamps = msg[2]
+        self.ready = True
 
     def start_ranks(self, spec: LaunchSpec) -> list[mpc.Connection]:
         """Ask the server to fork the launch's ranks; one socket to each."""
@@ -190,7 +206,7 @@ class Pool:
         for closable in (self.conn, self.sock):
             with contextlib.suppress(Exception):
                 closable.close()
-        self.store = None  # the TCPStore closes its listening socket when released
+        shutil.rmtree(self.rundir, ignore_errors=True)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -224,9 +240,25 @@ def kill_pool() -> None:
         _POOL = None
 
 
+def prestart() -> None:
+    """Start the rank server now, in the background, without waiting for it: the
+    first launch then finds torch already imported there. ``helpers`` calls this
+    when a notebook imports it, so that the server's start overlaps the
+    notebook's own first cells instead of adding seconds to its first launch."""
+    global _POOL
+    with POOL_LOCK:
+        if _POOL is None:
+            _POOL = Pool()
+
+
 def get_pool(world_size: int) -> Pool:
     """The running rank server, or a new one (saying so: it takes seconds)."""
     global _POOL
+    if _POOL is not None and not _POOL.ready:  # started ahead (prestart), or a wait was cut short
+        sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
+                         f"server imports torch once (a few seconds); later launches fork "
+                         f"fresh ranks from it ... ")
+        _wait_for(_POOL, time.monotonic())
     if _POOL is not None:
         why = "the rank server died" if not _POOL.alive() else _POOL.stale()
         if why is None:
@@ -237,10 +269,14 @@ def get_pool(world_size: int) -> Pool:
         sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
                          f"server imports torch once (a few seconds); later launches fork "
                          f"fresh ranks from it ... ")
-    sys.stderr.flush()
     start = time.monotonic()
     _POOL = Pool()  # set first, so that an interrupt from here on kills it
-    _POOL.wait_ready(start + _START_TIMEOUT)
+    _wait_for(_POOL, start)
+    return _POOL
+
+
+def _wait_for(pool: Pool, start: float) -> None:
+    sys.stderr.flush()
+    pool.wait_ready(start + _START_TIMEOUT)
     sys.stderr.write(f"ready in {time.monotonic() - start:.1f} s\n")
     sys.stderr.flush()
-    return _POOL

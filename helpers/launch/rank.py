@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from helpers.launch import hooks, info
+from helpers.launch import hooks, info, nccl_rules
 from helpers.launch.arguments import group_backend
 from helpers.launch.shipping import LaunchSpec
 
@@ -154,18 +154,12 @@ def _user_frames(exc: BaseException) -> list[tuple[str, int, str, str]]:
             if not os.path.realpath(f.filename).startswith(LAUNCHER_DIR)]
 
 
-def spare_main(link: socket.socket, server_pid: int, store_port: int) -> None:
+def spare_main(link: socket.socket, server_pid: int) -> None:
     """A rank forked ahead of time, before its launch: it sets up what does not
-    depend on the launch (death with the server, a connection to the store),
-    then waits for its orders: its rank, the launch, and the socket to the caller."""
+    depend on the launch (death with the server), then waits for its orders: its
+    rank, the launch, and the socket to the caller."""
     set_process_name("course-spare")
     _die_with_server(server_pid)
-    import torch.distributed as dist
-
-    store = None
-    with contextlib.suppress(Exception):  # if this fails, the rank retries and reports it
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
     orders = mpc.Connection(os.dup(link.fileno()))
     try:
         spec = cloudpickle.loads(orders.recv_bytes())
@@ -176,10 +170,21 @@ def spare_main(link: socket.socket, server_pid: int, store_port: int) -> None:
     orders.close()
     link.close()
     set_process_name("course-rank")
-    _rank_main(mpc.Connection(fds[0]), rank, spec, store)
+    _rank_main(mpc.Connection(fds[0]), rank, spec)
 
 
-def _rank_main(conn: mpc.Connection, rank: int, spec: LaunchSpec, store: Any) -> None:
+def launch_store(spec: LaunchSpec):
+    """The store this launch's ranks meet in: a file of its own in the caller's
+    private folder (see helpers.launch.pool), opened by all ``world_size`` ranks."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(spec.rundir, f"launch{spec.generation}.store"),
+                           spec.world_size)
+    store.set_timeout(datetime.timedelta(seconds=spec.pg_timeout))
+    return store
+
+
+def _rank_main(conn: mpc.Connection, rank: int, spec: LaunchSpec) -> None:
     """One rank of one launch: join the group, run fn, report, exit. Never returns."""
     send_lock = threading.Lock()
 
@@ -193,21 +198,21 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: LaunchSpec, store: Any) ->
         import torch.distributed as dist
 
         _become_fresh(spec)
-        hooks.set_record_path(hooks.record_path(spec.store_port, spec.generation, rank))
+        hooks.set_record_path(hooks.record_path(spec.rundir, spec.generation, rank))
         device = "cpu"
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
-        info.set_rank_info(info.RankInfo(rank, spec.world_size, rank, spec.backend, device))
+        info.set_rank_info(info.RankInfo(rank, spec.world_size, rank, spec.backend, device,
+                                         spec.nccl_rules))
         sys.stdout = _PipeWriter(send, rank, "stdout")
         sys.stderr = _PipeWriter(send, rank, "stderr")
-        if store is None:
-            store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=60))
+        store = launch_store(spec)
         dist.init_process_group(
-            group_backend(spec.backend), store=dist.PrefixStore(f"launch{spec.generation}", store),
-            rank=rank, world_size=spec.world_size,
+            group_backend(spec.backend), store=store, rank=rank, world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.pg_timeout))
+        if spec.nccl_rules:
+            nccl_rules.install(dist.PrefixStore("nccl_rules", store), spec.pg_timeout)
         linecache.cache.update(spec.sources)  # the cells' lines, for tracebacks
         fn, args, kwargs = cloudpickle.loads(spec.payload)
         seed_everything(spec.seed + rank if spec.seed_per_rank else spec.seed)

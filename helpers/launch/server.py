@@ -40,7 +40,6 @@ def _module_stamps() -> dict[str, int]:
 def server_entry() -> None:
     """``python -c`` entry of the rank server."""
     fd = int(os.environ.pop("_COURSE_POOL_FD"))
-    store_port = int(os.environ.pop("_COURSE_STORE_PORT"))
     set_process_name("course-server")
     # Own process group already (start_new_session); ignoring SIGINT as well
     # means even a signal to our group cannot kill an idle server.
@@ -56,10 +55,10 @@ def server_entry() -> None:
     # Work every rank would otherwise repeat: the first seeding imports
     # numpy.random (tens of ms). Nothing here starts a thread or touches CUDA.
     seed_everything(0)
-    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)), store_port)
+    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)))
 
 
-def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
+def _serve(ctrl: mpc.Connection, sock: socket.socket) -> None:
     """The server's loop. Messages from the caller on ``ctrl``:
     ("launch", spec) followed by world_size socket fds -> hand each to a
     spare rank, reply ("started", generation, pids); ("kill", generation) ->
@@ -67,8 +66,7 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
     ends: ("exit", generation, rank, returncode), returncode < 0 for a signal.
 
     Spares: after a launch the server forks as many ranks as it had, ahead of
-    the next launch, so that forking (and connecting to the store) is not on
-    that launch's path. They never run anything before their launch."""
+    the next launch, so that forking is not on that launch's path. They never run anything before their launch."""
     children: dict[int, tuple[int, int]] = {}  # pid -> (generation, rank); 0, -1: a spare
     spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
     # SIGCHLD wakes the loop through a pipe (Python's set_wakeup_fd), so the
@@ -101,7 +99,7 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket, store_port: int) -> None:
                     os.close(fd)
                 os.close(wake_r)
                 os.close(wake_w)
-                spare_main(theirs, os.getppid(), store_port)
+                spare_main(theirs, os.getppid())
             finally:
                 os._exit(1)
         theirs.close()

@@ -25,10 +25,10 @@ class LaunchSpec:
     """Everything a rank of one launch needs, sent once to the server (the
     forked ranks inherit it in memory)."""
 
-    generation: int          # this launch's number: key prefix in the store
+    generation: int          # this launch's number: names its store and record files
     world_size: int
     backend: str             # "gloo" or "nccl" (already resolved)
-    store_port: int
+    rundir: str              # the caller's private folder: the launch's store lives there
     pg_timeout: float        # seconds, launch timeout + margin
     seed: int
     seed_per_rank: bool
@@ -37,6 +37,7 @@ class LaunchSpec:
     sys_path: list[str]
     payload: bytes           # (fn, args, kwargs), by ship
     sources: dict[str, tuple]  # linecache entries of the shipped code's cells
+    nccl_rules: bool = False  # helpers.launch.nccl_rules: behave as nccl would
 
 
 class _ShipPickler(cloudpickle.Pickler):
