@@ -95,20 +95,33 @@ class Wrong:
     mistake: str
     says: str | None
     kwargs: dict = field(default_factory=dict)
+    rules: bool | None = None  # NCCL's rules for this row's launches; None: as the run says
 
 
 @dataclass(frozen=True)
 class Right:
-    """Another correct answer (``answer`` as in ``Wrong``): the check must pass on it."""
+    """Another correct answer (``answer`` as in ``Wrong``): the check must pass on it.
+    ``rules=False`` for an answer right on gloo only (a lone isend/irecv ring), which
+    under NCCL's rules is a ``Wrong`` row of its own."""
 
     check: str
     answer: Any
     why: str
     kwargs: dict = field(default_factory=dict)
+    rules: bool | None = None
 
 
 def _id(*parts: str) -> str:
     return ": ".join(parts)
+
+
+def _rules(monkeypatch: pytest.MonkeyPatch, rules: bool | None) -> None:
+    """A row that says so runs its launches with (or without) NCCL's rules, whatever the
+    environment of the run (``make test`` turns them on: helpers.launch.nccl_rules)."""
+    from helpers.launch import nccl_rules
+
+    if rules is not None:
+        monkeypatch.setenv(nccl_rules.ENV, "1" if rules else "0")
 
 
 class ChapterChecks:
@@ -201,13 +214,16 @@ class ChapterChecks:
 
     # ---- the tests
 
-    def test_passes(self, case: Right, capsys: pytest.CaptureFixture) -> None:
+    def test_passes(self, case: Right, capsys: pytest.CaptureFixture,
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+        _rules(monkeypatch, case.rules)
         given = None if case.answer is None else self._given(self.checks[case.check], case.answer)
         self._call(case.check, given, kwargs=case.kwargs)
         out = capsys.readouterr().out
         assert out.count("✓") == 1, f"expected one ✓ line from the check, got:\n{out}"
 
-    def test_wrong_answer_fails(self, case: Wrong) -> None:
+    def test_wrong_answer_fails(self, case: Wrong, monkeypatch: pytest.MonkeyPatch) -> None:
+        _rules(monkeypatch, case.rules)
         with pytest.raises(CheckFailed, match=case.says) as failed:
             self._call(case.check, self._given(self.checks[case.check], case.answer),
                        kwargs=case.kwargs)

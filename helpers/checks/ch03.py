@@ -20,7 +20,9 @@ destination and size, and must go to the right neighbour (r + 1) % p, carry
 one chunk, and total what a ring sends, (p-1)·N elements over all ranks per
 phase; receive buffers must have the tensor's dtype; and the collectives
 themselves (``dist.all_reduce`` and friends) are switched off, so a result that
-came from them fails.
+came from them fails. The sends are seen through the checks' spy
+(``helpers.checks.spy``), which sees a send posted alone or in a
+``batch_isend_irecv``.
 """
 
 from __future__ import annotations
@@ -46,61 +48,17 @@ REFUSED = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather"
 
 
 def _instrumented(fn, t) -> list:
-    """Run ``fn(t)`` with point-to-point sends recorded and collectives refused; the
-    sends as (destination, bytes).
+    """Run ``fn(t)`` under the checks' spy (``helpers.checks.spy``): every point-to-point
+    send recorded with its destination, size and values, however it was posted (alone or
+    inside ``batch_isend_irecv``); the collectives refused; a receive into a buffer of
+    another dtype than ``t`` refused with its cause (gloo would abort the process on the
+    size mismatch, with no word of it). Returns the sends as (destination, bytes, values)."""
+    from helpers.checks.spy import communication_spy
 
-    ``torch.distributed.isend`` is patched in ``distributed_c10d`` as well, because
-    ``P2POp`` checks its op against that module's own names and ``batch_isend_irecv``
-    calls the op it holds (``dst`` or ``group_dst`` by keyword); so each send is
-    recorded once whichever way it was posted. Receives are refused into a buffer
-    of another dtype than ``t``: gloo would abort the process (SIGABRT) on the size
-    mismatch, with no word of the cause.
-    """
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    sent = []
-    saved = {}
-
-    def recording(real):
-        def send(tensor, *args, **kwargs):
-            dst = args[0] if args else kwargs.get("dst", kwargs.get("group_dst"))
-            sent.append((dst, tensor.numel() * tensor.element_size(),
-                         tensor.detach().to("cpu", copy=True)))
-            return real(tensor, *args, **kwargs)
-        return send
-
-    def checked(real):
-        def recv(tensor, *args, **kwargs):
-            if tensor.dtype != t.dtype:
-                raise RuntimeError(f"receiving into a {tensor.dtype} buffer, but the ring "
-                                   f"carries {t.dtype}: allocate receive buffers with the "
-                                   f"tensor's dtype (torch.empty_like(chunk))")
-            return real(tensor, *args, **kwargs)
-        return recv
-
-    def refuse(name):
-        def collective(*args, **kwargs):
-            raise RuntimeError(f"dist.{name} is switched off in this check: build the "
-                               f"collective from point-to-point messages (isend/irecv)")
-        return collective
-
-    wrappers = {"send": recording, "isend": recording, "recv": checked, "irecv": checked}
-    for name, wrap in wrappers.items():
-        saved[name] = getattr(c10d, name)
-        setattr(c10d, name, wrap(saved[name]))
-        setattr(dist, name, getattr(c10d, name))
-    for name in REFUSED:
-        saved[name] = getattr(dist, name)
-        setattr(dist, name, refuse(name))
-    try:
+    why = "build the collective from point-to-point messages (isend/irecv)"
+    with communication_spy(refuse={name: why for name in REFUSED}, recv_dtype=t.dtype) as spy:
         fn(t)
-    finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
-            if name in wrappers:
-                setattr(c10d, name, real)
-    return sent
+    return spy.sends
 
 
 def _run(fn, phase):
@@ -146,11 +104,12 @@ _ABORT = ("a rank aborted inside gloo. The usual cause: a receive buffer of anot
           "its right neighbour receives must be the same chunk (same bounds, same dtype).")
 
 
-def _check(fn, phase: str, label: str) -> None:
+def _check(fn, phase: str, label: str, timeout: float) -> None:
     if not callable(fn):
         raise CheckFailed(f"{label} should be a function, got {fn!r}")
     for world in WORLDS:
-        results = on_ranks(_run, world, fn, phase, what=f"{label} on {world} ranks", timeout=30,
+        results = on_ranks(_run, world, fn, phase, what=f"{label} on {world} ranks",
+                           timeout=timeout,
                            probe=lambda: fn(torch.zeros(4, dtype=torch.float64)),
                            hints={"SIGABRT": _ABORT})
         for rank, (outs, _) in enumerate(results):
@@ -257,7 +216,7 @@ def _check_divided_before_gather(sends: list, world: int, label: str) -> None:
 _ON = " and ".join(map(str, WORLDS))
 
 
-def check_reduce_scatter(reduce_scatter) -> None:
+def check_reduce_scatter(reduce_scatter, timeout: float = 30.0) -> None:
     """Chunk r of rank r holds the sum over ranks, built from ring sends.
 
     Catches:
@@ -272,14 +231,19 @@ def check_reduce_scatter(reduce_scatter) -> None:
     * receive buffer of another dtype (``torch.empty(k)`` is float32): named before gloo
       would abort the rank;
     * a library collective: switched off, its message says so;
+    * a lone isend then irecv per step, under NCCL's rules (the course's tests; a GPU
+      node): the ring hangs at its first step, and the message says why (every rank
+      waits to create a two-rank communicator with its right neighbour);
     * any other exception: the rank's error, as CheckFailed.
+
+    A loop that hangs is stopped after ``timeout`` seconds.
     """
-    _check(reduce_scatter, "reduce_scatter", "reduce_scatter")
+    _check(reduce_scatter, "reduce_scatter", "reduce_scatter", timeout)
     passed(f"ring reduce-scatter on {_ON} ranks: chunk r holds the sum on rank r, every "
            f"message one chunk to the right neighbour (sizes {SIZES})")
 
 
-def check_all_gather(all_gather) -> None:
+def check_all_gather(all_gather, timeout: float = 30.0) -> None:
     """Every chunk reaches every rank, forwarded around the ring.
 
     Catches:
@@ -291,12 +255,12 @@ def check_all_gather(all_gather) -> None:
     * sends to the owner's destinations directly, or backwards: destinations named;
     * any exception: the rank's error, as CheckFailed.
     """
-    _check(all_gather, "all_gather", "all_gather")
+    _check(all_gather, "all_gather", "all_gather", timeout)
     passed(f"ring all-gather on {_ON} ranks: every rank has every chunk, every message "
            f"one chunk to the right neighbour (sizes {SIZES})")
 
 
-def check_ring_average(ring_average) -> None:
+def check_ring_average(ring_average, timeout: float = 30.0) -> None:
     """The mean on every rank, from the two ring phases.
 
     Catches:
@@ -308,5 +272,5 @@ def check_ring_average(ring_average) -> None:
       division work): the all-gather's messages carry sums, not means (named);
     * any exception: the rank's error, as CheckFailed.
     """
-    _check(ring_average, "ring_average", "ring_average")
+    _check(ring_average, "ring_average", "ring_average", timeout)
     passed(f"reduce-scatter + divide + all-gather = the mean on every rank ({_ON} ranks)")
