@@ -1,12 +1,17 @@
 # Distributed LLM Training, hands-on
 #   make setup      create .venv and install the course: the tested torch and the tested
-#                   set of every other package (constraints.txt)
+#                   set of every other package (constraints.txt). Linux without a GPU:
+#                   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#                   (PyTorch's CPU build; PyPI's torch for Linux is the CUDA build, GBs)
 #   make lab        setup, then open JupyterLab on the repository at START_HERE.ipynb
-#   make my-copy    copy labs and course notebooks to work/ (yours, ignored by git)
+#                   (at work/START_HERE.ipynb, your copies, once make my-copy made it)
+#   make my-copy    copy course and lab notebooks to work/course, work/labs (yours,
+#                   ignored by git) with work/START_HERE.ipynb linking them
 #   make reset      throw away your changes to the repository's notebooks
 #   make normalize  file names, notebook metadata, START_HERE.ipynb (after adding a chapter)
 #   make test-browser  a real-browser smoke test (needs chromium and playwright)
-#   make test       setup, then the whole suite: pytest on tests/, nbval on course/ and solutions/
+#   make test       setup, then the whole suite: pytest on tests/, nbval on course/ and solutions/,
+#                   every launch under NCCL's rules (COURSE_NCCL_RULES=1, README)
 #                   (not the browser test: it runs only where chromium is, by make test-browser)
 #   make test-newest   the whole suite in .venv-newest, on today's newest releases of
 #                   everything (torch too: TORCH_NEWEST), to find out when the world moves
@@ -25,13 +30,18 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# The tested torch. On a CPU-only machine this is a CPU build; an unpinned
-# torch pulls a multi-GB CUDA build. GPU users: see README, "On a GPU node".
+# The tested torch. From PyPI this is the CPU build on macOS and the CUDA build
+# (several GB) on Linux x86_64; TORCH_INDEX picks another index for torch alone,
+# e.g. PyTorch's CPU wheels: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Left empty, pip uses its own configuration (a wheel already on disk, offline).
+# GPU users: see README, "On a GPU node".
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 
 # JupyterLab rooted at the repository (course/, labs/, solutions/ and helpers/ all
 # reachable), opening the landing page. tests/test_browser.py starts it the same way.
-LAB_ARGS := --ServerApp.root_dir=$(CURDIR) START_HERE.ipynb
+LAB_ARGS := --ServerApp.root_dir=$(CURDIR) \
+            $(if $(wildcard work/START_HERE.ipynb),work/START_HERE.ipynb,START_HERE.ipynb)
 
 # The tested set of every package but torch (torch is pinned by TORCH above, since
 # an instructor's node brings its own CUDA build). It was resolved on one Python
@@ -54,7 +64,11 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q $(TORCH)
+	@if [ -z "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null \
+	   && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "note: no GPU here, and on Linux PyPI's $(TORCH) is the CUDA build (several GB)."; \
+	  echo "      For PyTorch's CPU build: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu"; fi
+	$(BIN)/python -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[lab,dev]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
 	touch $(STAMP)
 
@@ -79,12 +93,8 @@ lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS)
 
 # Copies never overwrite: run again after `git pull` to get new chapters only.
-my-copy:
-	mkdir -p work
-	@for f in labs/*.ipynb course/*.ipynb; do \
-	  if [ -e "work/$$(basename $$f)" ]; then echo "kept   work/$$(basename $$f)"; \
-	  else cp "$$f" work/ && echo "copied work/$$(basename $$f)"; fi; done
-	@echo "your copies are in work/ (git ignores it); open them from JupyterLab's file browser"
+my-copy: setup
+	$(BIN)/python tools/nbtool.py my-copy work
 
 reset:
 	git checkout -- course labs solutions START_HERE.ipynb

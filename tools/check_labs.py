@@ -294,15 +294,18 @@ def _run_child(path, start, skip, deadline, exercise_timeout, outcomes, groups):
 
 
 def learners(folder: pathlib.Path) -> dict[str, list[pathlib.Path]]:
-    """{learner: lab notebooks}: the folder itself if it holds labs, else each subfolder."""
+    """{learner: lab notebooks}: the folder itself if it holds labs, else each subfolder.
+    A learner's labs are the notebooks with a check cell in their folder, or in its
+    ``labs/`` (where ``make my-copy`` puts them, beside ``course/``)."""
     def labs(d: pathlib.Path) -> list[pathlib.Path]:
-        return sorted(p for p in d.glob("*.ipynb")
-                      if not p.name.startswith(".") and exercises(code_cells(p)))
+        found = sorted(p for p in d.glob("*.ipynb")
+                       if not p.name.startswith(".") and exercises(code_cells(p)))
+        return found or (labs(d / "labs") if (d / "labs").is_dir() else [])
     own = labs(folder)
     if own:
         return {folder.name: own}
     return {d.name: labs(d) for d in sorted(folder.iterdir())
-            if d.is_dir() and not d.name.startswith(".") and labs(d)}
+            if d.is_dir() and not d.name.startswith(".") and d.name != "labs" and labs(d)}
 
 
 def check_folder(folder: pathlib.Path, timeout: float = 600, exercise_timeout: float = 180,

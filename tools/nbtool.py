@@ -39,6 +39,7 @@ import os
 import pathlib
 import platform
 import re
+import shutil
 import sys
 import time
 
@@ -194,15 +195,22 @@ def _title(chapter: str) -> str:
     return chapter
 
 
-def make_index() -> nbformat.NotebookNode:
-    """START_HERE.ipynb: one markdown cell linking every chapter's course, lab and solution."""
+def _chapter_rows(link) -> list[str]:
+    """The chapter table's rows; ``link(folder, path)`` is the href of a notebook of the
+    repository (path relative to the repository) or None for no link."""
     rows = []
     for ch in chapters():
         links = []
         for folder, label in (("course", "course"), ("labs", "lab"), ("solutions", "solution")):
             path = resolve(f"{folder}/{ch}.ipynb")
-            links.append(f"[{label}]({path.relative_to(ROOT).as_posix()})" if path.exists() else "")
+            href = link(folder, path.relative_to(ROOT).as_posix()) if path.exists() else None
+            links.append(f"[{label}]({href})" if href else "")
         rows.append(f"| {ch[:2]} | {_title(ch)} | " + " | ".join(links) + " |")
+    return rows
+
+
+def make_index() -> nbformat.NotebookNode:
+    """START_HERE.ipynb: one markdown cell linking every chapter's course, lab and solution."""
     text = "\n".join([
         "# Distributed LLM Training, hands-on: start here",
         "",
@@ -212,20 +220,72 @@ def make_index() -> nbformat.NotebookNode:
         "",
         "| # | chapter | | | |",
         "| --- | --- | --- | --- | --- |",
-        *rows,
+        *_chapter_rows(lambda folder, path: path),
         "",
         "**Keep your work across updates.** The notebooks here are part of the course's "
         "repository: if you edit and save them, `git pull` will refuse to update them. Run "
-        "`make my-copy` in a terminal and work in the `work/` folder it creates: your copies "
-        "are yours (git ignores `work/`), and running `make my-copy` again after a `git pull` "
-        "adds new chapters without touching the ones you have. `make reset` instead throws away "
-        "your changes to the repository's notebooks.",
+        "`make my-copy` in a terminal and work in the `work/` folder it creates: open "
+        "`work/START_HERE.ipynb`, this same table linking *your* copies (`make lab` opens it "
+        "once it exists). Your copies are yours (git ignores `work/`), and running "
+        "`make my-copy` again after a `git pull` adds new chapters without touching the ones "
+        "you have. `make reset` instead throws away your changes to the repository's notebooks.",
         "",
         "The mechanisms the notebooks run live in `helpers/`, one module per mechanism; "
         "each opens with an explanation worth reading beside its chapter.",
     ])
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text, id="start-here")])
     return normalize(nb)
+
+
+# ---------------------------------------------------------------- a learner's own copies
+
+MY_COPY_FILES = {"course": ["*.ipynb", "timing_noise.md"], "labs": ["*.ipynb"]}
+
+
+def make_my_index() -> nbformat.NotebookNode:
+    """work/START_HERE.ipynb: the chapter table, its course and lab links to the copies
+    beside it, the solutions' to the repository's (they are not copied)."""
+    text = "\n".join([
+        "# Your copies: start here",
+        "",
+        "These are your own copies of the course and lab notebooks (`make my-copy` made them "
+        "in `work/`, which git ignores): edit and save freely, `git pull` never touches them. "
+        "Run `make my-copy` again after a `git pull` to add new chapters; it keeps the copies "
+        "you have. The solutions link to the repository's notebooks.",
+        "",
+        "| # | chapter | your course copy | your lab copy | solution |",
+        "| --- | --- | --- | --- | --- |",
+        *_chapter_rows(lambda folder, path: f"../{path}" if folder == "solutions" else path),
+    ])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text, id="my-copies")])
+    return normalize(nb)
+
+
+def my_copy(dest: pathlib.Path) -> list[str]:
+    """``make my-copy``: copy course/ and labs/ into ``dest``/course and ``dest``/labs
+    (the course's notes too, so that their links work there) and write
+    ``dest``/START_HERE.ipynb. Never overwrites a copy; a copy an earlier version
+    left directly in ``dest`` is moved into its folder. One line per file."""
+    lines = []
+    for folder, patterns in MY_COPY_FILES.items():
+        (dest / folder).mkdir(parents=True, exist_ok=True)
+        for pattern in patterns:
+            for src in sorted((ROOT / folder).glob(pattern)):
+                target, flat = dest / folder / src.name, dest / src.name
+                shown = target.relative_to(dest.parent) if dest.is_absolute() else target
+                if target.exists():
+                    lines.append(f"kept   {shown}")
+                elif flat.exists():
+                    flat.rename(target)
+                    lines.append(f"moved  {shown} (it was in {dest.name}/)")
+                else:
+                    shutil.copy2(src, target)
+                    lines.append(f"copied {shown}")
+    index = dest / INDEX
+    text = _text(make_my_index())
+    if not index.exists() or index.read_text(encoding="utf-8") != text:
+        index.write_text(text, encoding="utf-8")
+    return lines
 
 
 def write_index() -> bool:
@@ -415,7 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("new"); p.add_argument("src"); p.add_argument("out")
     sub.add_parser("normalize", help="rename old lab/solution names, normalize metadata, "
                                      "rewrite START_HERE.ipynb")
+    p = sub.add_parser("my-copy", help="copy course/ and labs/ into DEST (make my-copy)")
+    p.add_argument("dest", nargs="?", default="work")
     args = parser.parse_args(argv)
+    if args.cmd == "my-copy":
+        dest = pathlib.Path(args.dest)
+        for line in my_copy(dest):
+            print(line)
+        print(f"your copies are in {dest}/course and {dest}/labs (git ignores {dest}/): open "
+              f"{dest}/{INDEX}, which links them (make lab opens it)")
+        return 0
     if args.cmd == "normalize":
         for line in rename_legacy():
             print(f"renamed {line}")
