@@ -2,7 +2,7 @@
 
 import torch
 
-from checks_harness import ChapterChecks, Check, Wrong
+from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers.checks import ch10
 from helpers.sp import block_attention, causal_mask, merge_partials, positions
 
@@ -26,8 +26,9 @@ def _merge_course(o1, l1, o2, l2):
     return merge_partials(o1, l1, o2, l2)
 
 
-def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None):
-    """A ring forward whose direction, bookkeeping and masking the wrong answers vary."""
+def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None, batched=True):
+    """A ring forward whose direction, bookkeeping, masking and way of posting the
+    transfer (one batch_isend_irecv, or a lone isend and irecv) the answers vary."""
     import torch.distributed as dist
     cp, rank = dist.get_world_size(), dist.get_rank()
     seq, kv = q.size(-2) * cp, torch.stack([k, v])
@@ -37,7 +38,11 @@ def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None):
         reqs = []
         if step < cp - 1:
             nxt = torch.empty_like(kv)
-            reqs = [dist.isend(kv, to(rank, cp)), dist.irecv(nxt, frm(rank, cp))]
+            if batched:
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, to(rank, cp)),
+                                               dist.P2POp(dist.irecv, nxt, frm(rank, cp))])
+            else:
+                reqs = [dist.isend(kv, to(rank, cp)), dist.irecv(nxt, frm(rank, cp))]
         m = causal_mask(positions(seq, cp, rank), positions(seq, cp, owner_of(rank, step, cp)))
         if mask is False:
             m = torch.ones_like(m)
@@ -49,6 +54,19 @@ def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None):
         if reqs:
             kv = nxt
     return out
+
+
+def _ring_batched(q, k, v, group=None):
+    # Right: each step's send and receive as one batch_isend_irecv (the form chapter 03
+    # teaches, nccl's): the sends inside the batch are counted like lone ones.
+    return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
+                 owner_of=lambda r, s, p: (r - s) % p)
+
+
+def _ring_lone(q, k, v, group=None):
+    # Right on gloo: a lone isend and irecv per step (under nccl's rules, a hang).
+    return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
+                 owner_of=lambda r, s, p: (r - s) % p, batched=False)
 
 
 def _ring_without_mask(q, k, v, group=None):
@@ -86,8 +104,9 @@ def _send_to_everyone(q, k, v, group=None):
     for other in range(cp):
         if other != rank:
             blocks[other] = torch.empty_like(kv)
-            reqs += [dist.isend(kv, other), dist.irecv(blocks[other], other)]
-    for r in reqs:
+            reqs += [dist.P2POp(dist.isend, kv, other),
+                     dist.P2POp(dist.irecv, blocks[other], other)]
+    for r in dist.batch_isend_irecv(reqs):
         r.wait()
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
@@ -117,4 +136,10 @@ class TestChapter10(ChapterChecks):
         Wrong("ring", _gather_then_attend, "all-gather then attend", says="all_gather"),
         Wrong("ring", _send_to_everyone, "each block sent straight to every rank",
               says="same neighbour"),
+        Wrong("ring", _ring_lone, "lone isend + irecv under NCCL's rules",
+              says=r"(?s)hung: .*two-rank communicator", kwargs={"timeout": 3}, rules=True),
+    ]
+    right = [
+        Right("ring", _ring_batched, "each step as one batch_isend_irecv: sends counted"),
+        Right("ring", _ring_lone, "a lone isend and irecv per step, on gloo", rules=False),
     ]

@@ -106,48 +106,32 @@ _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "br
 
 
 def _run_ring(ring_forward):
-    """On every rank: the learner's ring with point-to-point sends and collectives
-    recorded (passed through, so nothing hangs), and the reference chunk."""
-    import torch.distributed as dist
-
+    """On every rank: the learner's ring under the checks' spy (every send seen, alone or
+    in a batch; collectives recorded and passed through, so nothing hangs), and the
+    reference chunk."""
     from helpers import rank_info
+    from helpers.checks.spy import communication_spy
     from helpers.sp import shard_sequence
     t = rank_info().world_size
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 4 * t, 4, dtype=torch.float64, generator=gen) for _ in range(3))
     k[..., -3:, :] *= 3.0          # late keys with large scores: a query that sees them errs by O(1)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    sends, collectives, saved = [], [], {}
-
-    def recorder(name, fn):
-        def wrapped(*args, **kwargs):
-            if name in ("isend", "send"):
-                dst = kwargs.get("dst", args[1] if len(args) > 1 else None)
-                sends.append(dst)
-            else:
-                collectives.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
-
-    for name in ("isend", "send") + _COLLECTIVES:
-        if hasattr(dist, name):
-            saved[name] = getattr(dist, name)
-            setattr(dist, name, recorder(name, saved[name]))
-    try:
+    with communication_spy(keep_values=False) as spy:
         got = ring_forward(*(shard_sequence(x) for x in (q, k, v)))
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-    return got, shard_sequence(want), sends, collectives
+    collectives = [c for c in spy.collectives if c in _COLLECTIVES]
+    return got, shard_sequence(want), spy.destinations, collectives
 
 
-def check_ring(ring_forward) -> None:
+def check_ring(ring_forward, timeout: float = 60.0) -> None:
     """3 and 4 ranks, contiguous layout, float64, vs full causal SDPA; who sends to
-    whom, and no collective (see the module docstring for the mistakes)."""
+    whom, and no collective (see the module docstring for the mistakes). A ring that
+    hangs is stopped after ``timeout`` seconds (under NCCL's rules a lone isend/irecv
+    per step does, and the message says why)."""
     probe = torch.zeros(1, 1, 2, 2, dtype=torch.float64)
     for world in RING_WORLDS:
         res = on_ranks(_run_ring, world, ring_forward, what=f"ring_forward on {world} ranks",
-                       probe=lambda: ring_forward(probe, probe, probe))
+                       probe=lambda: ring_forward(probe, probe, probe), timeout=timeout)
         for rank, (got, want, sends, collectives) in enumerate(res):
             case = f"{world} ranks, rank {rank}"
             if collectives:
