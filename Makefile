@@ -18,7 +18,8 @@
 #   make lock       write constraints.txt from .venv (LOCK_FROM=.venv-newest to adopt the
 #                   newest set after make test-newest passed)
 #   make test-gpu   on a GPU node, with the node's own torch (GPU_PYTHON): the CUDA tests,
-#                   then the whole suite
+#                   the suite as CI runs it (CUDA hidden), then the notebooks and lab
+#                   checks on nccl where a launch has a GPU per rank (a table says which)
 #   make labs       regenerate labs/ from solutions/
 #   make notebooks  re-execute course/ and solutions/ in place (outputs are committed)
 #   make bench      run the benchmarks and print their tables
@@ -83,11 +84,24 @@ test-newest:
 lock:
 	$(LOCK_FROM)/bin/python tools/lock.py write $(CONSTRAINTS)
 
+# The same on one GPU and on eight: (1) the CUDA tests; (2) the suite exactly as CI runs
+# it, CUDA hidden (gloo on CPU under NCCL's rules); (3) every notebook and every lab check
+# with the solutions' answers, GPUs visible: a launch of n ranks runs on nccl where the
+# node has n GPUs (2, 3, 4, 8 ...), else on gloo, and a table says which ran where.
+GPU_LOG ?= $(CURDIR)/tmp/test-gpu-launches.log
 test-gpu:
 	$(GPU_PYTHON) tools/lock.py versions
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs CUDA: this Python sees no GPU (GPU_PYTHON=$(GPU_PYTHON))')"
+	@$(GPU_PYTHON) -c "import torch; print(f'== {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}')"
+	@echo "== 1/3 the CUDA tests (pytest -m gpu)"
 	$(GPU_PYTHON) -m pytest tests -m gpu -v -rs -p no:cacheprovider
-	$(GPU_PYTHON) -m pytest $(SUITE)
+	@echo "== 2/3 the suite as CI runs it: CUDA hidden, gloo on the CPU, NCCL's rules on"
+	CUDA_VISIBLE_DEVICES= COURSE_NCCL_RULES=1 $(GPU_PYTHON) -m pytest $(SUITE)
+	@echo "== 3/3 the notebooks and the lab checks on the GPUs (nccl where a launch has a GPU per rank)"
+	mkdir -p $(dir $(GPU_LOG)) && rm -f $(GPU_LOG)
+	COURSE_LAUNCH_LOG=$(GPU_LOG) $(GPU_PYTHON) -m pytest course solutions tests/test_checks_*.py \
+	    -k "ipynb or test_passes" --nbval-lax --nbval-current-env -p no:cacheprovider
+	$(GPU_PYTHON) tools/launch_log.py $(GPU_LOG)
 
 lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS)

@@ -164,7 +164,7 @@ class TestChapter11(ChapterChecks):
               says="requires_grad_"),
         Wrong("run_stage", _returns_tensor, "returns the loss tensor", says="as a float"),
         Wrong("run_stage", _last_is_rank_3, "the last stage hard-coded as rank 3",
-              says="run_stage on 3 ranks"),
+              says="rank 2 sends to rank 3, which is not in its group"),
         Wrong("run_stage", _flat_buffer, "a (B, T) receive buffer", says="aborted inside gloo"),
         Wrong("run_stage", _ignores_received_grad, "backprops ones, not the received gradient",
               says="gradient of .* differs"),

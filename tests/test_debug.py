@@ -414,3 +414,103 @@ def test_a_gpu_call_that_returned_but_never_completed_is_named_so():
     # the same call without the "returned" event: the host is still inside it
     f = first_disagreement(assemble({0: [("call", rec(0, 0, end=None))]}))
     assert "never returned" in f.text and "queued" not in f.text
+
+
+class _GpuWork:
+    """A Work standing in for an nccl collective queued on a GPU: it reports completed
+    ``after`` seconds from now (never, with None). is_completed() is what the recorder
+    polls; it never blocks."""
+
+    def __init__(self, after):
+        self.done_at = None if after is None else time.monotonic() + after
+
+    def is_completed(self):
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+
+def _queued_on_the_gpu(after):
+    """One recorded all-reduce that 'returns' at once and completes on the 'GPU' later."""
+    import sys
+
+    import torch
+
+    from helpers.debug import record_collectives
+
+    with record_collectives() as rec:
+        call = rec.begin("all_reduce", {"tensor": torch.ones(2), "async_op": True},
+                         sys._getframe())
+        rec.finish(call, "returned", [_GpuWork(after)], torch.device("cuda"))
+    return "left the recorder"
+
+
+def test_the_recorder_waits_for_the_gpu_so_a_hung_call_times_out_with_the_diff():
+    """nccl returns a collective to the host once queued; one that hangs on the GPU would
+    let the rank function return. The recorder waits for the GPU on its way out: a call
+    that completes lets the rank go on, one that never does becomes a RankTimeout whose
+    diff says the call was scheduled and never completed."""
+    assert launch(_queued_on_the_gpu, 2, 0.3) == ["left the recorder"] * 2
+    err = failed_launch(_queued_on_the_gpu, 2, after=None)
+    assert isinstance(err, RankTimeout)
+    assert "never completed (it returned: queued on the GPU)" in err.diff
+
+
+def _mismatch_that_returns():
+    """Rank 0 sends 2 floats, rank 1 receives into a buffer of 4: gloo fills what came and
+    returns (it only refuses a message larger than the buffer); on nccl the counts of a
+    send and its receive must match, and wrong data or a hang is what follows."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers import rank_info
+
+    if rank_info().rank == 0:
+        dist.send(torch.ones(2), 1)
+        return None
+    got = torch.zeros(4)
+    dist.recv(got, 0)
+    return got.tolist()
+
+
+def test_a_recorded_launch_whose_ranks_disagree_fails_even_when_every_rank_returned():
+    assert launch(_mismatch_that_returns, 2)[1] == [1.0, 1.0, 0.0, 0.0]  # unrecorded: unnoticed
+    with pytest.raises(RankError, match="every rank returned, but their recorded calls "
+                                        "disagree") as err:
+        launch(_mismatch_that_returns, 2, record=True)
+    assert "rank 0's call #0 is send [2] float32 to rank 1" in err.value.diff
+    assert "rank 1's matching call #0 is recv [4] float32 from rank 0" in err.value.diff
+
+
+def _one_more_all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    from helpers import rank_info
+
+    steps = 3 if rank_info().rank == 0 else 2   # uneven shards: rank 0 has one more batch
+    for _ in range(steps):
+        dist.all_reduce(torch.ones(2))
+
+
+def _recv_from_a_rank_that_is_done():
+    import torch
+    import torch.distributed as dist
+
+    from helpers import rank_info
+
+    if rank_info().rank == 0:
+        dist.recv(torch.zeros(2), src=1)
+
+
+@pytest.mark.parametrize("fn, says", [
+    (_one_more_all_reduce, "rank 0 waits in call #2 is all_reduce [2] float32"),
+    (_recv_from_a_rank_that_is_done, "rank 0 waits in call #0 is recv [2] float32 from rank 1"),
+])
+def test_a_rank_waiting_for_one_that_returned_is_named_without_waiting_for_the_timeout(fn, says):
+    """Once rank 1 has returned from the rank function, a call of rank 0's that needs it
+    can never complete: the launch says so at once (from the records), not after 30 s."""
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout, match="can never finish") as err:
+        launch(fn, 2, record=True, timeout=30)
+    assert time.monotonic() - t0 < 10, "the deadlock was found only by the timeout"
+    assert says in str(err.value) and "rank 1" in str(err.value)
+    assert err.value.ranks == [0] and err.value.diff is not None

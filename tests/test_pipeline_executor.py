@@ -296,3 +296,16 @@ def test_benchmark_refuses_bad_arguments_before_any_rank_starts(argv, message, l
     bench = load_bench("bench_pipeline")
     with pytest.raises(ValueError, match=message):
         bench.main(argv)
+
+
+def test_a_stage_compute_time_is_one_forward_and_backward_and_leaves_no_gradient():
+    """What solution 11 reads as a GPU stage's busy time (its compute by the course clock)."""
+    from helpers.model import build_model
+    from helpers.pipeline.executor import split_model
+    from helpers.pipeline.measure import stage_compute_seconds
+
+    x = torch.randint(0, 64, (4, 16))
+    for chunks in split_model(build_model("toy", n_layer=4), 2):
+        seconds = stage_compute_seconds(chunks[0], x, x)
+        assert 0 < seconds < 5
+        assert all(p.grad is None for p in chunks[0].parameters())

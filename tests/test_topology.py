@@ -2,6 +2,7 @@
 real ranks (vs dist.all_reduce), counted cross-node bytes, and the emulated slow network."""
 
 import math
+import pathlib
 
 import pytest
 import torch
@@ -180,6 +181,15 @@ def test_reduce_scatter_all_gather_all_to_all():
 
 
 # ---------------------------------------------------------------- nvidia-smi topo -m
+
+def test_an_underlined_header_from_a_current_driver_parses_like_the_plain_one():
+    """tests/data/nvidia_smi_topo_underlined.txt: the H100 sample with its header wrapped
+    in terminal escape codes (ESC[4m GPU0 ESC[0m), as current drivers print it even
+    through a pipe."""
+    underlined = (pathlib.Path(__file__).parent / "data" / "nvidia_smi_topo_underlined.txt").read_text()
+    assert "\x1b[4mGPU0\x1b[0m" in underlined
+    assert parse_topo_matrix(underlined) == parse_topo_matrix(SAMPLES["dgx_h100"].read_text())
+
 
 def test_parse_nvidia_smi_samples():
     h = topology_from_nvidia_smi(SAMPLES["dgx_h100"].read_text(), nodes=2)

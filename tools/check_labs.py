@@ -151,6 +151,10 @@ def run_notebook(path: pathlib.Path, start: int, skip: set[int]) -> None:
         if i == 0 and exc is not None:
             _report(event="setup-failed", reason=_one_line(exc))
             return
+        if i == 0 and "helpers.launch.pool" in sys.modules:
+            # start the rank server now, while the next cells run (as a notebook kernel
+            # does when it imports helpers): the first check's launch finds it ready
+            sys.modules["helpers.launch.pool"].prestart()
         # An exercise cell that fails to define (a syntax error, say) is its check's failure.
         define_error = exc if owner.get(i, -1) >= start else None
     with contextlib.suppress(Exception):

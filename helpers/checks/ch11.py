@@ -109,6 +109,7 @@ def _batch():
 def _stage_loop_rank(run_stage, n_layer):
     """Rank function: one step of the learner's loop on this rank's stage."""
     from helpers import rank_info
+    from helpers.checks.spy import communication_spy
     from helpers.model import build_model
     from helpers.pipeline.executor import chunk_grads, split_model
 
@@ -117,7 +118,10 @@ def _stage_loop_rank(run_stage, n_layer):
     stage = split_model(build_model("toy", n_layer=n_layer), info.world_size)[info.rank][0]
     # the model lands on the rank's device (build_model's default): the batch goes there too
     x, y = (t.to(info.device) for t in _batch())
-    loss = run_stage(stage, x, y)
+    # the checks' spy: a send to a rank that does not exist (a last stage hard-coded for
+    # another world size) is named at once; gloo would wait for it until the timeout
+    with communication_spy(keep_values=False):
+        loss = run_stage(stage, x, y)
     # the lab states a float on the last stage, None elsewhere: keep the type's name
     kind = type(loss).__name__
     value = float(loss) if isinstance(loss, (float, int, torch.Tensor)) and \
@@ -143,7 +147,8 @@ def check_run_stage(run_stage, timeout: float = 30.0) -> None:
     * forgets requires_grad_() on the received activation: the rank's error, with a hint;
     * a receive buffer of the wrong shape/dtype: gloo's abort, with a hint;
     * receives the gradient before sending the activation: a deadlock, named by ranks;
-    * last stage hard-coded to rank 3 or 1, or sends past the last rank: the 3-stage run;
+    * last stage hard-coded to rank 3 or 1, or sends past the last rank: the 3-stage run
+      (a send to a rank that does not exist is named at once);
     * returns the loss tensor (not a float), or a loss on other ranks: named;
     * any other exception: the rank's error, as CheckFailed.
     """

@@ -39,7 +39,7 @@ import statistics
 from collections import Counter, defaultdict
 
 from helpers.debug.recorder import CallRecord, describe_where
-from helpers.launch.hooks import register_failure_report
+from helpers.launch.hooks import register_failure_report, register_success_check, register_watch
 
 __all__ = ["Finding", "assemble", "first_disagreement", "explain", "arrival_lateness",
            "straggler"]
@@ -256,9 +256,91 @@ def report_failure(err, events: dict[int, list[tuple]], status: dict[int, str]) 
     """A failed launch's report (registered with helpers.launch.hooks): the
     error's message ends with the cross-rank diff of the recorded calls, and
     ``err.records`` / ``err.diff`` hold them."""
-    err.records = assemble(events)
+    records = assemble(events)
+    if not any(records.values()):  # the events are another part's (NCCL's rules)
+        return
+    err.records = records
     err.diff = explain(err.records, status)
     err.args = (f"{err.args[0]}\n\n{err.diff}",) + err.args[1:]
 
 
+_SENDS, _RECVS = ("send", "isend"), ("recv", "irecv")
+
+
+def stuck_for_good(records: dict[int, list[CallRecord]], returned: set[int]) -> Finding | None:
+    """A rank inside a call that can never complete, because a rank it needs has already
+    returned from the rank function without making its side: a collective of a group
+    that rank belongs to (it made fewer calls in that group), or a send or receive whose
+    peer returned with fewer matching receives or sends. None if there is none.
+    (A rank blocked in ``work.wait()`` of an async call is not inside a recorded call:
+    only the timeout finds that one.)"""
+    groups = _by_group(records)
+    for rank in sorted(records):
+        calls = records[rank]
+        if rank in returned or not calls or calls[-1].end is not None:
+            continue
+        last = calls[-1]
+        if last.is_p2p:
+            peer = last.peer
+            if peer not in returned:
+                continue
+            mine, theirs = (_SENDS, _RECVS) if last.op in _SENDS else (_RECVS, _SENDS)
+            k = [c for c in calls if c.op in mine and c.peer == peer].index(last)
+            made = [c for c in records.get(peer, []) if c.op in theirs and c.peer == rank]
+            if len(made) <= k:
+                return Finding("stuck", [rank], {rank: last},
+                               f"rank {rank} waits in {_call(last)}; rank {peer} returned from "
+                               f"the rank function with only {len(made)} matching "
+                               f"{'receive' if last.op in _SENDS else 'send'}(s)")
+            continue
+        k = groups[last.group][rank].index(last)
+        gone = [f for f in last.group if f in returned and len(groups[last.group].get(f, [])) <= k]
+        if gone:
+            return Finding("stuck", [rank], {rank: last},
+                           f"rank {rank} waits in {_call(last)}; {_ranks(gone)} of its group "
+                           f"returned from the rank function without making that call "
+                           f"({_last_in_group(gone[0], groups[last.group])})")
+    return None
+
+
+def watch_progress(events: dict[int, list[tuple]], returned: set[int]):
+    """The launcher's watch (helpers.launch.hooks): once some ranks returned, a rank that
+    waits for one of them can never finish; say so now, a RankTimeout with the reason,
+    instead of at the end of the timeout."""
+    from helpers.launch import RankTimeout
+
+    records = assemble(events)
+    finding = stuck_for_good(records, returned)
+    if finding is None:
+        return None
+    running = sorted(r for r in records if r not in returned)
+    return RankTimeout(f"rank(s) {running} can never finish: {finding.text}. A deadlock, "
+                       f"seen in the ranks' records before the timeout. All ranks were "
+                       f"stopped.", running)
+
+
+def check_agreement(events: dict[int, list[tuple]]):
+    """A launch whose ranks all returned, checked (registered with helpers.launch.hooks):
+    if their recorded calls disagree (another collective, shape or dtype at the same
+    place, or a send and its receive of different sizes), a RankError with the diff.
+    gloo nearly always fails on such a mismatch by itself; nccl checks nothing and can
+    complete it with wrong data, and the launch would return as if all were well."""
+    from helpers.launch import RankError
+
+    records = assemble(events)
+    finding = first_disagreement(records) if any(records.values()) else None
+    if finding is None or finding.kind not in ("mismatch", "p2p"):
+        return None
+    err = RankError(f"every rank returned, but their recorded calls disagree: "
+                    f"{_ranks(finding.ranks)} made another call than the others. gloo "
+                    f"usually fails on such a mismatch; nccl may complete it with wrong "
+                    f"data, or hang.", rank=finding.ranks[0], exc_type="mismatch")
+    err.records = records
+    err.diff = explain(records, {r: "returned from the rank function" for r in records})
+    err.args = (f"{err.args[0]}\n\n{err.diff}",) + err.args[1:]
+    return err
+
+
 register_failure_report(report_failure)
+register_success_check(check_agreement)
+register_watch(watch_progress)

@@ -292,6 +292,19 @@ class Recorder:
                 self._poller = threading.Thread(target=self._poll, daemon=True)
                 self._poller.start()
 
+    def wait_completed(self, poll: float = 0.002) -> None:
+        """Block until the GPU has finished every call it had queued. With nccl a call
+        that hangs on the GPU returns to the host all the same, and the rank function
+        could return with it still queued (its result garbage or never produced).
+        Waiting here makes the rank what it is on the GPU: one that does not finish,
+        so the launch's timeout names it and the diff shows the call "scheduled, not
+        completed". Nothing is pending on CPU, where this returns at once."""
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+            time.sleep(poll)
+
     def _complete(self, rec: CallRecord, outcome: str, end: float) -> None:
         rec.end, rec.outcome = end, outcome
         if self._sink is not None:
@@ -423,7 +436,8 @@ def record_collectives() -> Iterator[Recorder]:
 
     ``with record_collectives() as rec: ...`` then ``rec.calls``. Nested uses
     share the outer recorder. The original functions are restored on exit,
-    also when the body raises.
+    also when the body raises. On a normal exit it first waits until the GPU has
+    completed every recorded call (``Recorder.wait_completed``).
     """
     if _ACTIVE:
         yield _ACTIVE[-1]
@@ -433,6 +447,7 @@ def record_collectives() -> Iterator[Recorder]:
     _ACTIVE.append(recorder)
     try:
         yield recorder
+        recorder.wait_completed()  # (a normal exit only: an error is reported as it is)
     finally:
         _ACTIVE.clear()
         for module, op, original in reversed(saved):

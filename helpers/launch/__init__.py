@@ -11,7 +11,10 @@ The launcher is a package, one part per module, in the order a launch uses them:
 * ``errors``: ``RankError``, ``RankTimeout`` and how the root cause is named;
 * ``info``: ``rank_info()``; ``torchrun``: the same code under torchrun;
 * ``hooks``: the extension points other parts of the course plug into (the
-  collective recorder of ``helpers.debug`` does).
+  collective recorder of ``helpers.debug`` does);
+* ``nccl_rules``: gloo behaving as nccl would where the outcome differs
+  (``launch(..., nccl_rules=True)`` or ``COURSE_NCCL_RULES=1``), so that a hang or
+  error a GPU node would show appears on a laptop and in CI.
 
 Every chapter of the course ends up calling::
 
@@ -63,10 +66,12 @@ How it works
   against tens of milliseconds when ranks were reused and seconds for
   ``torch.multiprocessing.spawn`` (``benchmarks/bench_launch.py`` measures
   all three).
-* Rendezvous: the caller owns a ``TCPStore`` listening on 127.0.0.1 on a port
-  the operating system picks (port 0). Nothing is chosen then released, so two
-  launches at once, or another program, cannot steal the port. Each launch
-  uses its own key prefix in it.
+* Rendezvous: each launch's ranks meet through a ``FileStore``, a file of the
+  launch's own in a folder only this user can enter (mode 0700, in /dev/shm where
+  there is one). torchrun's ``TCPStore`` listens on a port that any user of the
+  machine can connect to and write into; on a shared workshop node that would let
+  another user join or disturb a learner's launch. No port is chosen, so two
+  launches at once cannot collide either.
 * The caller waits on every rank's socket at once, with a deadline (a rank
   that dies closes its socket, so a death is seen at once). Three ways a
   launch can fail, and what you get:
@@ -88,7 +93,11 @@ How it works
   not touch them; they watch the socket to the caller instead, and die when
   the caller's process ends (whichever thread started them). A server that
   did die is replaced by the next launch, silently.
-* ``print`` inside a rank reaches the caller line by line as ``[rank 1] ...``.
+* ``print`` inside a rank reaches the caller line by line as ``[rank 1] ...``, up
+  to 1,000 lines per rank and launch (a browser tab freezes on a few hundred
+  thousand); the rest is kept in a file, and the launch ends with a note naming it.
+* In a notebook, ``import helpers`` starts the rank server in the background, so
+  its seconds of importing torch overlap the notebook's first cells.
 * Under ``torchrun`` (RANK and WORLD_SIZE set in the environment) ``launch``
   does not spawn anything: it runs ``fn`` in the current process's group and
   returns every rank's result (gathered with ``all_gather_object``), so the same

@@ -11,6 +11,14 @@ all three):
 * **failure reports.** ``register_failure_report(report)``: when a launch
   fails and some rank wrote events, ``report(err, events, status)`` may add
   to the error (the recorder's cross-rank diff).
+* **watches.** ``register_watch(watch)``: while a launch runs and some of its ranks
+  have already returned, ``watch(events, returned)`` may decide that the others can
+  never finish (they wait for a rank that has returned: the recorder's) and return
+  the error to raise now rather than at the timeout.
+* **success checks.** ``register_success_check(check)``: when every rank returned
+  and some rank wrote events, ``check(events)`` may still find the launch wrong
+  and return an error to raise instead (the recorder's: ranks whose calls
+  disagree, which nccl can complete with wrong data).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ _RECORD_PATH: str | None = None
 # launch(fn, n, name=True) ships _OPTIONS[name](fn); see register_option.
 _OPTIONS: dict[str, Callable[[Callable], Callable]] = {}
 _REPORTS: list[Callable[[Any, dict, dict], None]] = []
+_SUCCESS_CHECKS: list[Callable[[dict], Any]] = []
+_WATCHES: list[Callable[[dict, set], Any]] = []
 
 
 def set_record_path(path: str) -> None:
@@ -115,3 +125,41 @@ def register_failure_report(report: Callable[[Any, dict, dict], None]) -> None:
 def report_failure(err: Any, events: dict[int, list[tuple]], status: dict[int, str]) -> None:
     for report in _REPORTS:
         report(err, events, status)
+
+
+def register_success_check(check: Callable[[dict], Any]) -> None:
+    """When every rank of a launch returned and some wrote to their record channel,
+    ``check(events)`` is called: it returns None, or an exception for ``launch`` to
+    raise instead of returning the results."""
+    if check not in _SUCCESS_CHECKS:
+        _SUCCESS_CHECKS.append(check)
+
+
+def check_success(events: dict[int, list[tuple]]) -> Any:
+    """The first error a success check finds in a launch that returned, or None."""
+    for check in _SUCCESS_CHECKS:
+        err = check(events)
+        if err is not None:
+            return err
+    return None
+
+
+def register_watch(watch: Callable[[dict, set], Any]) -> None:
+    """While a launch runs and some ranks have returned, ``watch(events, returned)`` is
+    called now and then (``returned``: the ranks that did); it returns None, or an
+    exception for ``launch`` to raise now, the ranks still running being stuck for good."""
+    if watch not in _WATCHES:
+        _WATCHES.append(watch)
+
+
+def watching() -> bool:
+    return bool(_WATCHES)
+
+
+def check_progress(events: dict[int, list[tuple]], returned: set[int]) -> Any:
+    """The first error a watch finds, or None."""
+    for watch in _WATCHES:
+        err = watch(events, returned)
+        if err is not None:
+            return err
+    return None

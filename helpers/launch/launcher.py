@@ -46,6 +46,11 @@ _PG_TIMEOUT_MARGIN = 30.0
 _GRACE = 1.0
 
 
+# Once some ranks returned and others still run, how often the watches read the
+# ranks' records (hooks.register_watch) for a rank waiting on one that is gone.
+_WATCH_EVERY = 0.25
+
+
 _GENERATIONS = itertools.count(1)
 
 
@@ -84,6 +89,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     backend = resolve_backend(backend, world_size)
     # The rules make gloo behave as nccl; on nccl itself there is nothing to emulate.
     rules = nccl_rules_mode.requested(nccl_rules) and backend == "gloo"
+    _log_launch(backend, world_size, rules)
     try:
         payload, sources = ship((fn, args, kwargs))
     except Exception as exc:
@@ -98,6 +104,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         ended = False  # are all of this launch's ranks gone or going?
         try:
             results = _collect(pool, conns, generation, time.monotonic() + timeout, outputs)
+            recorded = hooks.read_records(rundir, generation, world_size)
+            if any(recorded.values()):  # every rank returned; a recorder may still object
+                err = hooks.check_success(recorded)
+                if err is not None:
+                    raise err
             for c in conns:  # every rank answered: let them exit (in a few ms;
                 with contextlib.suppress(OSError):  # no need to wait for it)
                     c.send_bytes(b"bye")
@@ -120,6 +131,19 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             if not ended:  # the server did not answer: replace it
                 kill_pool()
         return results
+
+
+LOG_ENV = "COURSE_LAUNCH_LOG"
+
+
+def _log_launch(backend: str, world_size: int, rules: bool) -> None:
+    """With ``COURSE_LAUNCH_LOG=<file>`` in the environment, one line per launch
+    ("nccl 4" / "gloo 3 rules"): ``make test-gpu`` reads them to say how many launches
+    of each size really ran on nccl (tools/launch_log.py)."""
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{backend} {world_size}{' rules' if rules else ''}\n")
 
 
 def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sources, rules):
@@ -218,6 +242,8 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
     rank_of = {c: r for r, c in enumerate(conns)}
     give_up_at = None  # set when a root cause (a death, an error of its own) arrives
     server = [pool.conn]  # emptied if the server goes away (then sockets alone tell)
+    returned: set[int] = set()  # ranks whose result arrived
+    watch_at = 0.0  # when the watches may look next
 
     def died(rank: int, code: int | None) -> None:
         failures.append((rank, "died", (code,)))
@@ -231,7 +257,8 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
         if now >= limit:
             break
         watch = [c for c, r in rank_of.items() if r not in results]
-        for conn in mpc.wait(watch + server, timeout=limit - now):
+        wait = min(limit - now, _WATCH_EVERY) if returned and hooks.watching() else limit - now
+        for conn in mpc.wait(watch + server, timeout=wait):
             if conn is pool.conn:  # an exit report from the server
                 try:
                     pool._recv(0)
@@ -254,12 +281,21 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
                 outputs[rank].write(msg[1], msg[2])
             elif msg[0] == "result":
                 results[rank] = msg[1]
+                returned.add(rank)
             elif msg[0] == "error":
                 failures.append((rank, "error", msg[1:]))
                 results[rank] = None  # this rank is done, but failed
         if give_up_at is None and any(is_root_cause(kind, details)
                                       for _, kind, details in failures):
             give_up_at = time.monotonic() + _GRACE
+        if returned and not failures and len(results) < n and hooks.watching() \
+                and time.monotonic() >= watch_at:
+            watch_at = time.monotonic() + _WATCH_EVERY
+            recorded = hooks.read_records(pool.rundir, generation, n)
+            err = hooks.check_progress(recorded, set(returned)) if any(recorded.values()) else None
+            if err is not None:
+                hooks.report_failure(err, recorded, _rank_status(n, results, failures))
+                raise err
 
     if not failures and len(results) == n:
         return [results[r] for r in range(n)]

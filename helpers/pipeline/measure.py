@@ -61,9 +61,16 @@ def median_bubble(results: list[dict]) -> tuple[float, list]:
     return mid[2], mid[0]
 
 
-def cpu_share(results: list[dict]) -> float:
+def cpu_share(results: list[dict]) -> float | None:
     """CPU seconds / wall seconds over every compute interval of every rank and timed
-    step of ``launch(time_schedule, ...)``: 1.0 when each rank had a core to itself."""
+    step of ``launch(time_schedule, ...)``: 1.0 when each rank had a core to itself.
+
+    A CPU quantity: it tells whether another process took a rank's core in the middle
+    of its compute. On a GPU (None) the intervals are CUDA-event times of the rank's own
+    GPU, which no other rank shares, and the host thread's CPU time only counts the
+    launching of kernels: there is nothing of the kind to measure."""
+    if any(str(r.get("device", "cpu")).startswith("cuda") for r in results):
+        return None
     cpu = sum(sum(step) for r in results for step in r["cpu_times"])
     wall = sum(e - s for r in results for tl in r["timelines"] for s, e, _ in tl)
     return cpu / wall
@@ -149,11 +156,37 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
     loss, _, res = out
     # step_time: median over the timed steps; timelines, cpu_times: one per timed step
     result = dict(step_time=statistics.median(times), step_times=times, loss=loss,
-                  timelines=timelines, cpu_times=cpu_times,
+                  timelines=timelines, cpu_times=cpu_times, device=str(device),
                   peak_stash=stash[0], peak_stash_bytes=stash[1], stash_unit_bytes=stash[2])
     if return_grads:
         result["grads"] = chunk_grads(chunks)
     return result
+
+
+def stage_compute_seconds(stage, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One micro-batch's forward and backward on ``stage`` alone, no messages: the time a
+    rank is *busy* with it, measured with the course clock (CUDA events on a GPU, where
+    a host thread's CPU time counts only the launching of the kernels). Its input is
+    ``x`` on the first stage, a random activation (B, T, C) elsewhere; the last stage
+    backprops the loss against ``y``, the others a random output gradient. Leaves no
+    gradient behind."""
+    from helpers.model import lm_loss
+
+    clk = clock_for(x.device)
+    g = torch.Generator().manual_seed(0)
+    inp = x if stage.first else \
+        torch.randn(*x.shape, stage.n_embd, generator=g).to(x.device).requires_grad_()
+    grad = None if stage.last else torch.randn(*x.shape, stage.n_embd, generator=g).to(x.device)
+    for warm_up in (True, False):  # the first run allocates and warms the kernels up
+        t0 = clk.mark()
+        out = stage(inp)
+        if stage.last:
+            lm_loss(out, y).backward()
+        else:
+            out.backward(grad)
+        t1 = clk.mark()
+    stage.zero_grad(set_to_none=True)
+    return elapsed(t0, t1)
 
 
 def layer_costs(model, x: torch.Tensor, y: torch.Tensor, repeats: int = 5) -> dict:

@@ -42,8 +42,16 @@ _DEVICE = re.compile(r"^(GPU|NIC)\d+$|^mlx\d+_\d+$")
 _ENTRY = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS)$")
 
 
+# Terminal escape codes (ECMA-48 control sequences: ESC [ parameters final-letter).
+# Current drivers underline the matrix's header with them even when the output is
+# piped (``\x1b[4mGPU0\x1b[0m``), which would hide the column names from the parser.
+_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
 def parse_topo_matrix(text: str) -> dict:
-    """{"devices": [...], "gpus": [...], "nics": [...], "path": {(a, b): "NV18", ...}}."""
+    """{"devices": [...], "gpus": [...], "nics": [...], "path": {(a, b): "NV18", ...}}.
+    Terminal escape codes (an underlined header) are removed first."""
+    text = _ESCAPE.sub("", text)
     lines = [ln for ln in text.splitlines() if ln.strip()]
     header = next((ln for ln in lines if "GPU0" in ln.split()), None)
     if header is None:
@@ -112,4 +120,5 @@ def read_live(timeout: float = 20) -> str | None:
                              timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout if out.returncode == 0 and "GPU0" in out.stdout else None
+    text = _ESCAPE.sub("", out.stdout)
+    return text if out.returncode == 0 and "GPU0" in text.split() else None
