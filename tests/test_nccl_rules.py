@@ -154,22 +154,6 @@ def test_tags_are_ignored_messages_match_in_posting_order():
     assert launch(_tagged, 2, **RULES)[1] == (1.0, 2.0)  # nccl: first posted, first matched
 
 
-def _batch_works():
-    r = dist.get_rank()
-    got = torch.zeros(1)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(1), 1 - r),
-                                    dist.P2POp(dist.irecv, got, 1 - r)])
-    n = len(works)
-    for w in works:
-        w.wait()
-    return n, isinstance(works[0], dist.Work), got.item()
-
-
-def test_a_batch_returns_one_work_as_with_nccl():
-    assert launch(_batch_works, 2, **GLOO) == [(2, True, 1.0)] * 2
-    assert launch(_batch_works, 2, **RULES) == [(1, True, 1.0)] * 2
-
-
 def test_the_environment_variable_turns_the_rules_on(monkeypatch):
     info = lambda: rank_info().nccl_rules  # noqa: E731
     monkeypatch.setenv(nccl_rules.ENV, "1")

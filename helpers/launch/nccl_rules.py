@@ -60,12 +60,6 @@ of rule 1 dates from June 2025, before 2.11).
 7. **Tags are ignored.** ``ProcessGroupNCCL::send``/``recv`` take the tag as an
    unused argument: two messages between the same pair match in the order they
    were posted, whatever their tags (gloo matches by tag). Here: every tag is 0.
-8. **One Work for a whole batch.** With nccl, ``batch_isend_irecv`` runs the
-   batch as one coalesced group (``_coalescing_manager``) and returns a list
-   holding *one* Work; gloo returns one per operation. Code that unpacks
-   ``send_req, recv_req = batch_isend_irecv(...)`` works on gloo only. Here: one
-   Work that waits for them all.
-
 What it cannot show (only a GPU does)
 -------------------------------------
 * **The host returns before the data is there.** An nccl collective with
@@ -86,6 +80,16 @@ What it cannot show (only a GPU does)
   with ``device_id`` (eager init) lone sends and receives would share the group's
   one stream and could hang on the GPU depending on message sizes. Not emulated:
   the course posts exchanges through ``batch_isend_irecv``, which both accept.
+* **One Work for a whole batch.** With nccl, ``batch_isend_irecv`` returns a list
+  holding *one* Work for the whole batch (``_coalescing_manager``); gloo returns one
+  per operation, so code that unpacks ``send_req, recv_req = batch_isend_irecv(...)``
+  works on gloo only. Returning one Work here would not be faithful: on nccl its
+  ``wait()`` orders the CUDA stream and the host goes on, while a gloo Work blocks
+  the host until the whole batch is done. Code written for nccl (the pipeline
+  executor maps that one Work to every operation of the batch, and waits for a send
+  it has proved delivered) would then wait on the host for a receive that nccl's
+  stream alone waits for, and stall where a GPU does not. So gloo's list stands;
+  ``helpers.pipeline.p2p.post`` shows how to handle both.
 * **Uneven ``all_gather`` lists, PREMUL_SUM and float8 reductions**, which nccl
   accepts and gloo refuses: gloo's refusal stands.
 * Collectives torch issues from C++ (DDP's reducer, functional collectives) pass
@@ -325,38 +329,8 @@ def _collective(name: str, original: Callable) -> Callable:
     return wrapper
 
 
-@functools.lru_cache(maxsize=None)
-def _batch_work_class():
-    """The class of what nccl's ``batch_isend_irecv`` returns one of: a Work for the
-    whole batch (a ``torch.distributed.Work``, so code that checks the type still
-    sees one). Built on first use: the launcher imports torch only in the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    class BatchWork(dist.Work):
-        def __init__(self, works):
-            super().__init__()
-            self._works = works
-
-        def wait(self, timeout=None):
-            for w in self._works:
-                w.wait() if timeout is None else w.wait(timeout)
-            return True
-
-        def is_completed(self):
-            return all(w.is_completed() for w in self._works)
-
-        def is_success(self):
-            return all(w.is_success() for w in self._works)
-
-        def get_future(self):
-            return torch.futures.collect_all([w.get_future() for w in self._works])
-
-    return BatchWork
-
-
 def _batch(original: Callable) -> Callable:
-    """Rules 2 and 8."""
+    """Rule 2, and the batch's sends and receives exempt from rule 1."""
     @functools.wraps(original)
     def wrapper(p2p_op_list):
         import torch.distributed as dist
@@ -382,10 +356,9 @@ def _batch(original: Callable) -> Callable:
             _check_dtypes([op.tensor])
         rules.local.batch = True
         try:
-            works = original(p2p_op_list)
+            return original(p2p_op_list)
         finally:
             rules.local.batch = False
-        return [_batch_work_class()(list(works or []))]
     return wrapper
 
 
