@@ -7,6 +7,7 @@ repository holds. The API pages are Sphinx autodoc over the ``helpers``
 docstrings.
 """
 
+import json
 import pathlib
 import sys
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(ROOT))  # autodoc imports helpers from the checkout
 
 project = "Distributed LLM Training, hands-on"
 author = "the course authors"
+copyright = f"2026 {project} · {author}"  # the footer: "© 2026 Distributed LLM ... · the course authors"
 root_doc = "index"
 extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.mathjax"]
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
@@ -71,14 +73,25 @@ myst_update_mathjax = False
 mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"  # the config it ships
 # The package carries the STIX-Web fonts only (as Jupyter configures it): use them,
 # and no image fonts.
+# A formula wider than the column breaks at an operator (automatic line breaks) rather
+# than running past it.
 mathjax2_config = {"HTML-CSS": {"availableFonts": [], "preferredFont": None,
-                                "webFont": "STIX-Web", "imageFont": None},
-                   "SVG": {"font": "STIX-Web"}}
+                                "webFont": "STIX-Web", "imageFont": None,
+                                "linebreaks": {"automatic": True}},
+                   "CommonHTML": {"linebreaks": {"automatic": True}},
+                   "SVG": {"font": "STIX-Web", "linebreaks": {"automatic": True}}}
 
-html_theme = "alabaster"
+# The look: tools/site/theme/course_book, alabaster's templates with the course's own
+# layout (previous/next links above and below the text, the footer), sidebar (the book's
+# contents grouped by part, from _book.json that build.py writes) and stylesheet. No
+# theme package beyond alabaster (Sphinx's own dependency), no web fonts, no CDN.
+html_theme = "course_book"
+html_theme_path = [str(ROOT / "tools" / "site" / "theme")]
 html_title = project
-html_theme_options = {"page_width": "1180px", "sidebar_width": "260px"}
-html_sidebars = {"**": ["about.html", "searchfield.html", "navigation.html", "relations.html"]}
+html_favicon = str(ROOT / "tools" / "site" / "favicon.svg")
+html_css_files = ["book.css"]  # after mystnb.css, whose rules it overrides
+html_js_files = [("book.js", {"defer": "defer"})]
+html_context = {"book": json.loads((pathlib.Path(__file__).parent / "_book.json").read_text())}
 html_show_sourcelink = False
 html_copy_source = False
 
