@@ -40,6 +40,7 @@ ALLOWED = {
     ("helpers/launch/pool.py", "exit_code", "monotonic"): "deadline for a rank's exit",
     ("helpers/launch/pool.py", "kill_ranks", "monotonic"): "deadline for killed ranks to go",
     ("helpers/launch/pool.py", "get_pool", "monotonic"): "the rank server's start-up line",
+    ("helpers/launch/pool.py", "_wait_for", "monotonic"): "the rank server's start-up line",
     ("helpers/launch/launcher.py", "launch", "monotonic"): "the launch's timeout",
     ("helpers/launch/launcher.py", "_collect", "monotonic"): "the launch's timeout",
     ("helpers/checkpoint/async_save.py", "save", "perf_counter"):

@@ -49,8 +49,9 @@ of rule 1 dates from June 2025, before 2.11).
 4. **Data types nccl has no type for.** ``getNcclDataType`` maps int8, uint8,
    int32, int64, float16, bfloat16, float32, float64, bool (as uint8) and the
    float8 types; anything else raises ``TypeError: Input tensor data type is not
-   supported for NCCL process group: <type>`` (uint16/32/64, int16, the complex
-   types where torch does not view them as real pairs first, float8_e8m0fnu).
+   supported for NCCL process group: <type>`` (uint16/32/64, int16, float8_e8m0fnu,
+   and complex types in the calls whose Python side does not view them as real
+   pairs first: reduce, gather, reduce_scatter, reduce_scatter_tensor).
 5. **No bitwise reductions.** ``getNcclReduceOp``: ``ReduceOp.BAND``/``BOR``/``BXOR``
    raise ``ValueError: Cannot use ReduceOp.BAND with NCCL`` (gloo allows them on
    integers).
@@ -197,12 +198,22 @@ def _name(group) -> str:
     return _group_of(group).group_name
 
 
-def _check_dtypes(tensors) -> None:
-    """Rule 4."""
+# The calls whose Python layer hands a complex tensor to the backend as real pairs
+# (torch.view_as_real in torch 2.13's distributed_c10d: isend/irecv, so send/recv too,
+# broadcast, all_reduce, all_reduce_coalesced, all_gather, all_gather_into_tensor,
+# scatter, all_to_all, all_to_all_single): complex is fine there on nccl. reduce,
+# gather, reduce_scatter and reduce_scatter_tensor pass it on as it is.
+VIEWS_COMPLEX_AS_REAL = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce",
+                         "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+                         "scatter", "all_to_all", "all_to_all_single")
+
+
+def _check_dtypes(tensors, call: str) -> None:
+    """Rule 4, for the tensors of the call ``call``."""
     import torch
 
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or (t.is_complex() and call in VIEWS_COMPLEX_AS_REAL):
             continue
         name = str(t.dtype).removeprefix("torch.")
         if name not in NCCL_DTYPES:
@@ -299,7 +310,7 @@ def _p2p(name: str, original: Callable) -> Callable:
         if peer is None and name in ("recv", "irecv"):
             raise NotImplementedError("ProcessGroupNCCL does not support recvAnysource  "
                                       "[nccl_rules: name the source rank, recv(t, src=...)]")
-        _check_dtypes([bound.arguments.get("tensor")])
+        _check_dtypes([bound.arguments.get("tensor")], name)
         if "tag" in bound.arguments:
             bound.arguments["tag"] = 0  # rule 7
         if not getattr(rules.local, "batch", False):
@@ -321,7 +332,7 @@ def _collective(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         bound = sig.bind(*args, **kwargs).arguments
-        _check_dtypes(_tensors_in(v for k, v in bound.items() if k != "group"))
+        _check_dtypes(_tensors_in(v for k, v in bound.items() if k != "group"), name)
         if "op" in bound:
             _check_op(bound["op"])
         _RULES.groups.add(_name(bound.get("group")))
@@ -353,7 +364,7 @@ def _batch(original: Callable) -> Callable:
                       f"(group of ranks {members})")
                 rules.groups.add(gname)
         for op in p2p_op_list:
-            _check_dtypes([op.tensor])
+            _check_dtypes([op.tensor], "isend")
         rules.local.batch = True
         try:
             return original(p2p_op_list)
