@@ -1,8 +1,8 @@
 """make check-labs (tools/check_labs.py): an instructor's table of a room's labs.
 
-The solutions pass every check, the untouched labs read "not attempted", one
-plausible wrong answer fails exactly its exercise, a hanging exercise times
-out without stopping the next one, and no process the run started outlives it.
+In one room: the solutions pass every check, one plausible wrong answer fails exactly
+its exercise, the untouched labs read "not attempted". A hanging exercise times out
+without stopping the next one, and no process the run started outlives it.
 
 Chapters 01 and 03 by default (01 has no ranks, 03 runs its checks on ranks);
 COURSE_CHECK_LABS_ALL=1 runs every chapter (several minutes).
@@ -41,39 +41,39 @@ def _replace(path: pathlib.Path, old: str, new: str) -> None:
     write(nb, path)
 
 
-def _statuses(results) -> dict[str, str]:
-    return {r.column: r.status for r in results}
+def _chapters(folder: str) -> list[pathlib.Path]:
+    """Chapters 01 and 03 of ``folder`` (every chapter with COURSE_CHECK_LABS_ALL=1)."""
+    found = sorted((ROOT / folder).glob("*.ipynb"))
+    return found if ONLY is None else [p for p in found if p.name[:2] in ("01", "03")]
 
 
-def test_the_solutions_pass_every_check():
-    results = check_labs.check_folder(ROOT / "solutions", only=ONLY)
-    assert results, "no exercises found in solutions/"
-    assert {r.chapter for r in results} >= {"01", "03"}
-    failed = [f"{r.column}: {r.status} {r.reason}" for r in results if r.status != "pass"]
-    assert not failed, failed
-
-
-def test_a_room_one_wrong_answer_fails_exactly_that_exercise(tmp_path):
-    """alice: the solved chapter 01 but for one slip; bob: the untouched labs of 01 and 03
-    (every exercise "not attempted", those that run on ranks too), and a course notebook
-    (make my-copy copies those too), which has no check cell: not a lab."""
+# Over 15 s by design: make check-labs runs each notebook in a fresh Python process (it
+# imports torch and starts a rank server, as the learner's kernel would), and this room
+# holds four notebooks, two of them checking on 3 and 4 ranks.
+def test_a_room_solutions_pass_a_slip_fails_exactly_its_exercise_stubs_are_not_attempted(tmp_path):
+    """alice: the solutions, with one slip in chapter 01 (every other exercise passes,
+    those that run on ranks too); bob: the untouched labs (every exercise "not
+    attempted"), and a course notebook (make my-copy copies those too), which has no
+    check cell: not a lab."""
+    for sol in _chapters("solutions"):
+        _copy(str(sol.relative_to(ROOT)), tmp_path / "room" / "alice")
     # alice's slip: mixed precision without Adam's fp32 master copy (2 + 2 + 8, not 16 bytes)
-    alice = _copy("solutions/01_why_distributed_solution.ipynb", tmp_path / "room" / "alice")
-    _replace(alice, "return 2 + 2 + 4 + state", "return 2 + 2 + state")
-    labs = sorted((ROOT / "labs").glob("*.ipynb")) if ONLY is None else \
-        [ROOT / "labs/01_why_distributed_lab.ipynb", ROOT / "labs/03_all_reduce_ring_lab.ipynb"]
+    _replace(tmp_path / "room" / "alice" / "01_why_distributed_solution.ipynb",
+             "return 2 + 2 + 4 + state", "return 2 + 2 + state")
+    labs = _chapters("labs")
     for lab in labs:
         _copy(str(lab.relative_to(ROOT)), tmp_path / "room" / "bob")
     _copy("course/01_why_distributed.ipynb", tmp_path / "room" / "bob")
     out = tmp_path / "room.csv"
     assert check_labs.main([str(tmp_path / "room"), "--csv", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    by = {(r["learner"], r["exercise"]): r for r in rows}
-    assert len([r for r in rows if r["learner"] == "alice"]) == 3, rows
-    assert by["alice", "bytes_per_param"]["status"] == "fail"
-    assert "bytes_per_param" in by["alice", "bytes_per_param"]["reason"]
-    assert "\n" not in by["alice", "bytes_per_param"]["reason"]
-    assert [by["alice", e]["status"] for e in ("gpus_needed", "classify_bottleneck")] == ["pass"] * 2
+    alice = {r["exercise"]: r for r in rows if r["learner"] == "alice"}
+    assert {r["chapter"] for r in rows if r["learner"] == "alice"} >= {"01", "03"}
+    assert alice["bytes_per_param"]["status"] == "fail"
+    assert "bytes_per_param" in alice["bytes_per_param"]["reason"]
+    assert "\n" not in alice["bytes_per_param"]["reason"]
+    passed = [e for e, r in alice.items() if r["status"] == "pass"]
+    assert sorted(passed) == sorted(set(alice) - {"bytes_per_param"}), alice
     bob = [r for r in rows if r["learner"] == "bob"]  # the course notebook is not among them
     assert {r["chapter"] for r in bob} == {lab.name[:2] for lab in labs}
     assert {r["status"] for r in bob} == {"not attempted"}, bob

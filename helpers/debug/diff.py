@@ -310,10 +310,14 @@ def watch_progress(events: dict[int, list[tuple]], returned: set[int]):
     from helpers.launch import RankTimeout
 
     records = assemble(events)
+    running = sorted(r for r in records if r not in returned)
+    # Only once every rank still running sits in a call: a rank still computing could
+    # yet reach its next call, and the record (what the diff shows) would be half-written.
+    if not all(records[r] and records[r][-1].end is None for r in running):
+        return None
     finding = stuck_for_good(records, returned)
     if finding is None:
         return None
-    running = sorted(r for r in records if r not in returned)
     return RankTimeout(f"rank(s) {running} can never finish: {finding.text}. A deadlock, "
                        f"seen in the ranks' records before the timeout. All ranks were "
                        f"stopped.", running)

@@ -244,6 +244,7 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
     server = [pool.conn]  # emptied if the server goes away (then sockets alone tell)
     returned: set[int] = set()  # ranks whose result arrived
     watch_at = 0.0  # when the watches may look next
+    seen_stuck = 0  # consecutive looks at which a watch found the launch stuck for good
 
     def died(rank: int, code: int | None) -> None:
         failures.append((rank, "died", (code,)))
@@ -293,7 +294,8 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
             watch_at = time.monotonic() + _WATCH_EVERY
             recorded = hooks.read_records(pool.rundir, generation, n)
             err = hooks.check_progress(recorded, set(returned)) if any(recorded.values()) else None
-            if err is not None:
+            seen_stuck = seen_stuck + 1 if err is not None else 0
+            if seen_stuck >= 2:  # twice in a row, a look apart: not a passing state
                 hooks.report_failure(err, recorded, _rank_status(n, results, failures))
                 raise err
 
