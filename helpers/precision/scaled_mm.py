@@ -45,7 +45,9 @@ def scaled_mm_available(device: torch.device | str = "cpu") -> bool:
     """Does this build run torch._scaled_mm with FP8 inputs on ``device``? (cached probe)
 
     On CUDA the probe fails on GPUs without FP8 tensor cores (before compute
-    capability 8.9), and ``fp8_gemm`` then emulates there."""
+    capability 8.9), and ``fp8_gemm`` then emulates there. On CPU, torch's FP8 kernel
+    is oneDNN's, which runs only where the CPU has AVX512-FP16 or AMX (Intel Sapphire
+    Rapids and later); elsewhere the probe fails and ``fp8_gemm`` emulates."""
     key = torch.device(device).type
     if key not in _SCALED_MM_OK:
         try:
@@ -56,6 +58,12 @@ def scaled_mm_available(device: torch.device | str = "cpu") -> bool:
         except (RuntimeError, AttributeError, NotImplementedError):
             _SCALED_MM_OK[key] = False
     return _SCALED_MM_OK[key]
+
+
+def _emulated(a8, b8, inv_a, inv_b, out_dtype) -> torch.Tensor:
+    """The same product in fp32: FP8 values are exact in fp32, and so are their products."""
+    FP8_GEMM["emulated"] += 1
+    return ((a8.float() * inv_a) @ (b8.float() * inv_b)).to(out_dtype)
 
 
 def _round_up(n: int) -> int:
@@ -88,13 +96,22 @@ def fp8_gemm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b:
     inv_a = (1.0 / scale_a).float().reshape(()).to(a8.device)
     inv_b = (1.0 / scale_b).float().reshape(()).to(a8.device)
     if not scaled_mm_available(a8.device):
-        FP8_GEMM["emulated"] += 1
-        return ((a8.float() * inv_a) @ (b8.float() * inv_b)).to(out_dtype)
+        return _emulated(a8, b8, inv_a, inv_b, out_dtype)
     (m, k), n = a8.shape, b8.size(1)
     kp, np_ = _round_up(k), _round_up(n)
     a = _row_major_padded(a8, m, kp)                       # (M, Kp) row-major
     b = _row_major_padded(b8.t(), np_, kp).t()             # (Kp, Np) column-major
-    out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)  # (M, Np)
+    try:
+        out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)  # (M, Np)
+    except RuntimeError:
+        # On CPU the FP8 kernel is oneDNN's, which needs AVX512-FP16 (or AMX): an AVX2-only
+        # x86 laptop, an AMD Zen 4 or an ARM CPU refuses it ("could not create a primitive
+        # descriptor"), whatever the probe saw. Emulate from now on; on a GPU an error is
+        # a real one and is raised.
+        if a8.device.type != "cpu":
+            raise
+        _SCALED_MM_OK["cpu"] = False
+        return _emulated(a8, b8, inv_a, inv_b, out_dtype)
     FP8_GEMM["scaled_mm"] += 1
     if (kp, np_) != (k, n):
         FP8_GEMM["padded"] += 1
