@@ -177,3 +177,22 @@ def test_the_rules_and_the_collective_recorder_stack():
     got = launch(_recorded_ring, 3, **RULES)
     assert [v for v, _ in got] == [2.0, 0.0, 1.0]
     assert all(ops == ["isend", "irecv"] for _, ops in got)
+
+
+def _blocking_pair():
+    """dist.send/recv post through the module's isend/irecv (torch 2.13): one operation,
+    which the spy records once and the rules count once."""
+    from helpers.checks.spy import communication_spy
+
+    r = dist.get_rank()
+    with communication_spy(keep_values=False) as spy:
+        if r == 0:
+            dist.send(torch.ones(3), 1)
+        else:
+            dist.recv(torch.zeros(3), 0)
+    return len(spy.sends), len(spy.recvs)
+
+
+def test_a_blocking_send_is_one_operation_for_the_spy_and_the_rules():
+    assert launch(_blocking_pair, 2, **RULES) == [(1, 0), (0, 1)]
+    assert launch(_blocking_pair, 2, **GLOO) == [(1, 0), (0, 1)]

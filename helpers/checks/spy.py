@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import threading
 from typing import Any, Iterator
 
 P2P = ("send", "isend", "recv", "irecv")
@@ -109,11 +110,26 @@ def _peer(bound: dict, name: str) -> tuple[int | None, Any]:
     return peer, group
 
 
+# Inside a spied point-to-point call: torch 2.13's blocking ``dist.send``/``recv`` post
+# through the module's ``isend``/``irecv``, which the spy has replaced too; the inner
+# call must not be recorded a second time.
+_INSIDE = threading.local()
+
+
 def _p2p(name: str, original, spy: Spy, recv_dtype, keep_values: bool):
     sig = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        if getattr(_INSIDE, "call", False):
+            return original(*args, **kwargs)
+        _INSIDE.call = True
+        try:
+            return _record(*args, **kwargs)
+        finally:
+            _INSIDE.call = False
+
+    def _record(*args, **kwargs):
         bound = sig.bind(*args, **kwargs).arguments
         tensor = bound.get("tensor")
         peer, _ = _peer(bound, name)

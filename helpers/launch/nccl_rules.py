@@ -157,7 +157,7 @@ class _Rules:
         self.lone: dict[str, int] = {}                      # group -> lone p2p ops posted
         self.groups: set[str] = set()                       # groups whose communicator exists
         self.gloo_groups: set[str] = set()                  # made with backend="gloo"
-        self.local = threading.local()                      # .batch: inside batch_isend_irecv
+        self.local = threading.local()  # .batch: in batch_isend_irecv; .p2p: in a p2p call
         self.channel = hooks.rank_channel()
 
 
@@ -299,6 +299,17 @@ def _p2p(name: str, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        # torch 2.13's blocking send/recv post through the module's isend/irecv, which are
+        # wrapped too: the inner call is the same operation, checked once
+        if getattr(_RULES.local, "p2p", False):
+            return original(*args, **kwargs)
+        _RULES.local.p2p = True
+        try:
+            return _checked(*args, **kwargs)
+        finally:
+            _RULES.local.p2p = False
+
+    def _checked(*args, **kwargs):
         import torch.distributed as dist
 
         rules = _RULES
