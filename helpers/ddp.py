@@ -240,7 +240,9 @@ class BucketedDDP(nn.Module):
     events "ready" / "launched" / "finished", t in seconds from ``self.clock``
     (``helpers.clock``: ``time.perf_counter()`` on CPU; on a GPU CUDA events, so
     "finished", stamped in the future's callback, is when the all-reduce ended
-    on the GPU, not when nccl queued it).
+    on the GPU, not when nccl queued it). ``ddp.sequence`` is the same backward
+    without a clock: each hook and each launch, in the order they happened
+    (chapter 04 draws it, ``helpers.drawing.buckets``).
 
     The buckets, for comm hooks and readers (fixed at construction, the same
     on every rank; bucket b is launched b-th):
@@ -279,6 +281,7 @@ class BucketedDDP(nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.require_backward_grad_sync = True
         self._timeline: list[dict] = []  # t as clock marks; ``timeline`` resolves them
+        self._sequence: list[tuple[str, int]] = []  # ("grad", param) / ("launch", bucket)
 
         if self.world_size > 1:
             broadcast_parameters(module, src=0, group=process_group)
@@ -383,6 +386,15 @@ class BucketedDDP(nn.Module):
         """{"bucket", "event", "t"} of the last synchronized backward, t in seconds."""
         return resolve(self._timeline)
 
+    @property
+    def sequence(self) -> list[tuple[str, int]]:
+        """What happened in the last synchronized backward, in order: ``("grad", i)``
+        when parameter ``self.params[i]``'s hook fired, ``("unused", i)`` when it was
+        marked ready without a gradient (``find_unused_parameters``), ``("launch", b)``
+        when bucket b's all-reduce started. No clock in it, so it is the same on any
+        machine for the same model: chapter 04 draws it (``helpers.drawing.buckets``)."""
+        return list(self._sequence)
+
     def record(self, bucket: int, event: str) -> None:
         self._timeline.append({"bucket": bucket, "event": event, "t": self.clock.mark()})
 
@@ -394,16 +406,19 @@ class BucketedDDP(nn.Module):
                 return  # forward ran inside no_sync() (or not through us): accumulate locally
             if not self._in_backward:
                 self._begin_backward()
+            self._sequence.append(("grad", self._index[id(param)]))
             self.on_grad_ready(param)
 
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._reset_state()
         self._timeline = []
+        self._sequence = []
         # Runs when the whole backward pass is done, before backward() returns.
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         unused, self._unused = self._unused, []
         for p in unused:  # found after forward: no gradient will come, mark ready now
+            self._sequence.append(("unused", self._index[id(p)]))
             self.on_grad_ready(p)
 
     def on_grad_ready(self, param: nn.Parameter) -> None:
@@ -442,6 +457,7 @@ class BucketedDDP(nn.Module):
             else:
                 flat[start:end].copy_(p.grad.reshape(-1))
         self.record(b, "launched")
+        self._sequence.append(("launch", b))
         fut = self.comm_hook(flat, self.process_group)
 
         def finished(f, b=b):

@@ -60,6 +60,45 @@ def _wait_at_least(p):  # ">=" where the wait must be larger than every real cos
     return {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}[part]
 
 
+_LABEL = {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}
+
+
+def _rule(wait, costs):
+    """A classifier with the solution's shape: memory first, then ``wait(p) > costs(p)``
+    for a straggler, then the largest mean part."""
+    def classify(p):
+        if p.mem_frac >= 0.9:
+            return "memory-bound"
+        if wait(p) > costs(p):
+            return "straggler-bound"
+        return _LABEL[max(("data", "compute", "comm"), key=p.mean)]
+    return classify
+
+
+def _spread(p):
+    return max(p.compute) - min(p.compute)
+
+
+def _real_costs(p):
+    return max(p.mean("data"), min(p.compute), min(p.comm))
+
+
+# a mean where the fastest or slowest rank decides
+_wait_from_mean = _rule(lambda p: max(p.compute) - p.mean("compute"), _real_costs)
+_wait_to_mean = _rule(lambda p: p.mean("compute") - min(p.compute), _real_costs)
+_mean_compute_cost = _rule(_spread, lambda p: max(p.mean("data"), p.mean("compute"),
+                                                   min(p.comm)))
+_mean_comm_cost = _rule(_spread, lambda p: max(p.mean("data"), min(p.compute), p.mean("comm")))
+# a real cost left out, or the costs summed
+_no_loader = _rule(_spread, lambda p: max(min(p.compute), min(p.comm)))
+_no_fast_compute = _rule(_spread, lambda p: max(p.mean("data"), min(p.comm)))
+_summed_costs = _rule(_spread, lambda p: p.mean("data") + min(p.compute) + min(p.comm))
+# the slow rank assumed to be the last one
+_last_rank_slow = _rule(lambda p: p.compute[-1] - p.compute[0], _real_costs)
+# right: the wait read where the fast ranks spend it, in their comm
+_wait_in_comm = _rule(lambda p: max(p.comm) - min(p.comm), _real_costs)
+
+
 def _spaces(p):  # right answer, label written with a space
     return classify_bottleneck(p).replace("-", " ")
 
@@ -91,7 +130,24 @@ class TestChapter01(ChapterChecks):
               "largest part only, no straggler rule", says="straggler"),
         Wrong("classify_bottleneck", _ratio_rule,
               "compute ratio flags noise as a straggler", says="all-reduce-bound"),
+        Wrong("classify_bottleneck", _wait_from_mean, "the wait as slowest minus mean compute",
+              says="profile 11 .*expected 'straggler-bound'"),
+        Wrong("classify_bottleneck", _wait_to_mean, "the wait as mean minus fastest compute",
+              says="profile 11 .*expected 'straggler-bound'"),
+        Wrong("classify_bottleneck", _mean_compute_cost, "the mean compute as a real cost",
+              says="profile 11 .*expected 'straggler-bound'"),
+        Wrong("classify_bottleneck", _mean_comm_cost, "the mean comm (waits in it) as the "
+              "transfer", says="profile 12 .*expected 'straggler-bound'"),
+        Wrong("classify_bottleneck", _no_loader, "the loader left out of the real costs",
+              says="profile 13 .*expected 'input-bound'"),
+        Wrong("classify_bottleneck", _no_fast_compute, "the fast rank's compute left out",
+              says="profile 14 .*expected 'compute-bound'"),
+        Wrong("classify_bottleneck", _summed_costs, "the real costs summed",
+              says="expected 'straggler-bound'"),
+        Wrong("classify_bottleneck", _last_rank_slow, "the last rank assumed slow",
+              says="profile 16 .*expected 'straggler-bound'"),
     ]
     right = [
         Right("classify_bottleneck", classify_bottleneck, "the library's classifier"),
+        Right("classify_bottleneck", _wait_in_comm, "the wait read from the comm spread"),
     ]

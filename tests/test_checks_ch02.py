@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from checks_harness import ChapterChecks, Check, Wrong
+from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers import rank_info
 from helpers.checks import ch02
 
@@ -134,6 +134,42 @@ def _no_average_step(model, opt, x, y):  # steps on local gradients: replicas dr
     return float(loss.detach())
 
 
+def _gather_then_mean(model):  # right numbers from p copies of every gradient on every rank
+    p = dist.get_world_size()
+    for q in model.parameters():
+        if q.grad is not None:
+            copies = [torch.empty_like(q.grad) for _ in range(p)]
+            dist.all_gather(copies, q.grad)
+            q.grad.copy_(torch.stack(copies).mean(0))
+
+
+def _reduce_then_broadcast(model):  # right numbers, every byte through rank 0
+    p = dist.get_world_size()
+    for q in model.parameters():
+        if q.grad is not None:
+            dist.reduce(q.grad, dst=0)
+            q.grad.div_(p)
+            dist.broadcast(q.grad, src=0)
+
+
+def _averaged_twice(model):  # a second pass of all-reduce + divide: same mean, twice the bytes
+    p = dist.get_world_size()
+    for _ in range(2):
+        for q in model.parameters():
+            if q.grad is not None:
+                dist.all_reduce(q.grad)
+                q.grad.div_(p)
+
+
+def _one_flat_buffer(model):  # right: every gradient in one all-reduce
+    grads = [q.grad for q in model.parameters() if q.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
 def ch02_average(model):
     from helpers.naive_dp import average_gradients
     average_gradients(model)
@@ -160,6 +196,12 @@ class TestChapter02(ChapterChecks):
         Wrong("average_gradients", _flat_no_view, "copies a flat buffer back without a view",
               says="failed on a rank: rank . raised RuntimeError"),
         Wrong("average_gradients", _grads_none, "sets .grad to None", says="is None"),
+        Wrong("average_gradients", _gather_then_mean, "all_gather every gradient, then a mean",
+              says="called all_gather.*p times the memory"),
+        Wrong("average_gradients", _reduce_then_broadcast, "reduce to rank 0, then broadcast",
+              says="called broadcast, reduce.*funnel"),
+        Wrong("average_gradients", _averaged_twice, "all-reduces every gradient twice",
+              says="all-reduced once"),
         Wrong("dp_step", _two_rows, "a slice width hard-coded to 2 rows", says="rank.s slice"),
         Wrong("dp_step", _logs_mean_loss, "returns the loss averaged over ranks",
               says="not the loss averaged"),
@@ -170,4 +212,7 @@ class TestChapter02(ChapterChecks):
         Wrong("dp_step", _whole_batch_step, "every rank repeats the whole batch", says="own slice"),
         Wrong("dp_step", _no_zero_grad_step, "gradients pile up across steps",
               says="Zero the gradients"),
+    ]
+    right = [
+        Right("average_gradients", _one_flat_buffer, "one all-reduce of a flat buffer"),
     ]

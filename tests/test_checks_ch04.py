@@ -156,6 +156,21 @@ class _OneAtATime(BucketedDDP):
             self.next_bucket += 1
 
 
+class _ReduceAgain(BucketedDDP):
+    """Waits for the buckets, then all-reduces every .grad itself: right gradients, every
+    byte sent twice."""
+
+    def finish_backward(self):
+        import torch.distributed as dist
+
+        self.launch_ready_buckets()
+        for fut in self.futures:
+            fut.wait()
+        for p in self.params:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 class TestChapter04(ChapterChecks):
     lab, sol = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
     checks = {
@@ -163,6 +178,8 @@ class TestChapter04(ChapterChecks):
         "grad_ready_hook": Check(ch04.check_grad_ready_hook, "MyDDP", slow=True),
     }
     wrong = [
+        Wrong("grad_ready_hook", _ReduceAgain, "all-reduces every .grad again in finish",
+              says="one all-reduce per bucket"),
         Wrong("assign_buckets", _forward_order, "buckets in registration order", says="reverse"),
         Wrong("assign_buckets", _no_first_cap, "ignores the small first bucket",
               says="first_cap_bytes"),

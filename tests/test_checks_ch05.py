@@ -52,6 +52,34 @@ def _never_syncs(ddp, micro):  # no_sync around every backward: nothing is commu
     return total
 
 
+def _forward_outside(ddp, micro):  # the backwards inside no_sync, their forwards outside
+    k, total = len(micro), 0.0
+    for i, (x, y) in enumerate(micro):
+        loss = ddp(x, y)[1] / k
+        if i < k - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def _reduce_by_hand(ddp, micro):  # everything local, then one all-reduce per tensor by hand
+    import torch.distributed as dist
+
+    k, total = len(micro), 0.0
+    with ddp.no_sync():
+        for x, y in micro:
+            loss = ddp(x, y)[1] / k
+            loss.backward()
+            total += float(loss.detach())
+    for p in ddp.module.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    return total
+
+
 def _last_loss(ddp, micro):  # right gradient, returns the last micro-batch's loss
     k = len(micro)
     for i, (x, y) in enumerate(micro):
@@ -97,7 +125,12 @@ class TestChapter05(ChapterChecks):
         Wrong("noise_scale", lambda gs, bs, gb, bb: f"{(gs - gb) / (1 / bs - 1 / bb):.3f}",
               "returns a formatted string", says="should return a number"),
         Wrong("accumulate", _thirds, "1/3 hard-coded", says="not by a fixed number"),
-        Wrong("accumulate", _never_syncs, "no_sync around every backward", says="differs"),
+        Wrong("accumulate", _never_syncs, "no_sync around every backward",
+              says="counted 0 bucket all-reduces: all 3 forward.s. ran inside no_sync"),
+        Wrong("accumulate", _forward_outside, "backwards in no_sync, forwards outside",
+              says="the forward arms the hooks"),
+        Wrong("accumulate", _reduce_by_hand, "local accumulation, then all-reduced by hand",
+              says="never went through the wrapper's buckets"),
         Wrong("accumulate", _last_loss, "returns the last micro-batch's loss",
               says="mean of this rank's"),
         Wrong("accumulate", _no_return, "returns None", says="got None"),

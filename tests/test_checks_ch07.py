@@ -4,6 +4,8 @@ import torch
 
 from checks_harness import ChapterChecks, Check, Wrong
 from helpers.checks import ch07
+from helpers.costs import network
+from helpers.costs.network import ring_time as price  # imported before the check runs
 from helpers.topology import (all_reduce_time, packed_ranks, ring_all_gather, ring_all_reduce,
                               ring_reduce_scatter, spread_ranks)
 
@@ -59,6 +61,17 @@ def _no_all_gather(x, intra, inter, wire):  # forgets phase 3: only my chunk is 
     ring_all_reduce(chunk, inter, wire)
 
 
+def _two_per_node(x, intra, inter, wire):  # this rank's chunk cut for 2 GPUs per node
+    import torch.distributed as dist
+
+    from helpers.collectives import chunk_bounds
+
+    ring_reduce_scatter(x, intra, wire)
+    a, b = chunk_bounds(x.numel(), 2)[dist.get_rank(intra)]
+    ring_all_reduce(x[a:b], inter, wire)
+    ring_all_gather(x, intra, wire)
+
+
 def _wrong_placement(topology, nbytes, k):  # both groups packed
     t = all_reduce_time(topology, nbytes, packed_ranks(topology, k))
     return {"inside": t, "across": t}
@@ -91,6 +104,26 @@ def _chapter_03_ring(topology, nbytes, k):  # the flat-ring model on rank lists
             "across": all_reduce_time(topology, nbytes, spread_ranks(topology, k))}
 
 
+def _helper_call(topology, nbytes, k):  # the chapter's answer, one call per key
+    return {"inside": network.ring_time(topology, "all_reduce", nbytes, k, 1),
+            "across": network.ring_time(topology, "all_reduce", nbytes, k,
+                                        topology.gpus_per_node)}
+
+
+def _helper_imported_early(topology, nbytes, k):  # the same, through a name bound earlier
+    return {"inside": price(topology, "all_reduce", nbytes, k),
+            "across": price(topology, "all_reduce", nbytes, k, topology.gpus_per_node)}
+
+
+def _helper_bandwidth(topology, nbytes, k):  # the steps by hand, the bandwidth from the course
+    g = topology.gpus_per_node
+    sent = 2 * (k - 1) / k * nbytes
+    return {"inside": 2 * (k - 1) * topology.intra.latency
+            + sent / network.bus_bandwidth(topology, k, 1),
+            "across": 2 * (k - 1) * topology.inter.latency
+            + sent / network.bus_bandwidth(topology, k, g)}
+
+
 class TestChapter07(ChapterChecks):
     lab, sol = "labs/07_nccl_topology_lab.ipynb", "solutions/07_nccl_topology_solution.ipynb"
     checks = {
@@ -113,6 +146,8 @@ class TestChapter07(ChapterChecks):
               says="only the chunk"),
         Wrong("hierarchical", _no_all_gather, "forgets the all-gather",
               says="does not hold the sum"),
+        Wrong("hierarchical", _two_per_node, "the chunk cut for 2 GPUs per node",
+              says="hierarchical on 2 nodes x 3"),
         Wrong("placement_times", _wrong_placement, "both groups packed", says="spread the group"),
         Wrong("placement_times", _whole_nic, "a whole NIC per group", says="share the node"),
         Wrong("placement_times", _all_nics, "all the node's NICs per group",
@@ -121,4 +156,10 @@ class TestChapter07(ChapterChecks):
               says="2\\(P-1\\)/P"),
         Wrong("placement_times", _chapter_03_ring, "chapter 03's flat-ring model",
               says="share the node"),
+        Wrong("placement_times", _helper_call, "the chapter's ring_time, one line",
+              says="the chapter's answer to this exercise"),
+        Wrong("placement_times", _helper_imported_early, "ring_time bound to another name",
+              says="the chapter's answer to this exercise"),
+        Wrong("placement_times", _helper_bandwidth, "the course's bus_bandwidth",
+              says="the chapter's answer to this exercise"),
     ]

@@ -397,3 +397,13 @@ def test_halving_doubling_cost_model():
     assert halving_doubling_all_reduce_time(1e6, 6, 1e-5, 1e9) == pytest.approx(
         4 * 1e-5 + 1.5e-3 + 2 * (1e-5 + 1e-3))
     assert halving_doubling_all_reduce_time(1e6, 1, 1e-5, 1e9) == 0.0
+
+
+def test_a_ring_order_must_name_every_rank_once():
+    # outside a process group there is one rank: the only order is [0]
+    from helpers.collectives import ring_neighbours
+    assert ring_neighbours(None) == ring_neighbours(None, [0]) == (0, 1, 0, 0)
+    with pytest.raises(ValueError, match="every rank of the group once"):
+        ring_neighbours(None, [1])
+    with pytest.raises(ValueError, match="every rank of the group once"):
+        ring_neighbours(None, [0, 0])

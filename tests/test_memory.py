@@ -218,6 +218,35 @@ def test_memory_over_step_with_a_gradient_buffer_peaks_at_the_sum():
     assert max(sum(v.values()) for _, v in points) == 2 + 3 + 12 + 40
 
 
+def test_ddps_default_copies_hold_the_gradients_twice():
+    # gradient_as_bucket_view=False (DDP's default): the buckets live all run and the .grad
+    # tensors from backward to zero_grad, so at the end of backward the gradients are held
+    # twice, and the peak exceeds the sum of the four parts when they outweigh activations
+    from helpers.memory import memory_over_step
+    budget = {"weights": 2.0, "grads": 30.0, "optimizer": 12.0, "activations": 10.0}
+    points = memory_over_step(budget, layers=4, grad_buffer="copy")
+    assert all(v["buckets"] == 30.0 for _, v in points)
+    assert points[0][1]["grads"] == 0 and points[-1][1] == points[0][1]
+    peak = max(sum(v.values()) for _, v in points)
+    assert peak == 2 + 12 + 30 + max(10, 30) > 2 + 30 + 12 + 10
+    # with the activations larger, the peak is the sum: buckets + everything at forward's end
+    big_a = dict(budget, activations=50.0)
+    assert max(sum(v.values()) for _, v in memory_over_step(big_a, 4, grad_buffer="copy")) \
+        == 2 + 30 + 12 + 50
+    # True and False keep their meaning: views into a kept buffer, and nothing kept
+    assert memory_over_step(budget, 4, grad_buffer=True) == memory_over_step(budget, 4,
+                                                                             grad_buffer="view")
+    assert memory_over_step(budget, 4) == memory_over_step(budget, 4, grad_buffer="none")
+    with pytest.raises(ValueError, match="grad_buffer must be one of"):
+        memory_over_step(budget, 4, grad_buffer="bucket")
+
+
+def test_the_gpu_views_say_none_without_cuda():
+    from helpers.memory import cuda_memory_views
+    if not torch.cuda.is_available():
+        assert cuda_memory_views(lambda: None) is None
+
+
 def test_bf16_with_fp32_gradients_is_megatrons_18_bytes():
     # Megatron-LM docs/source/api-guide/dist_optimizer.md: "float16 param, fp32 grads"
     # 18 B/param, 6 + 12/d with the distributed optimizer (ZeRO-1)

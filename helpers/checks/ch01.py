@@ -100,6 +100,26 @@ PROFILES = [
     # the mean comm (25 ms) looks largest, but on the fast ranks it is waiting: the
     # slow rank's 2 ms is the real transfer
     (_p([1, 1, 1], [5, 5, 40], [36, 37, 2]), "straggler-bound"),
+    # Below, the fastest and slowest rank decide where a mean would not. Every profile
+    # keeps the shape of a real step: a fast rank's comm = its wait + the transfer.
+    # The wait (30 ms) beats every real cost (the fast rank's 20 ms of compute), but is
+    # less than the mean compute (35 ms) and twice the slowest-minus-mean (15 ms).
+    (_p([1, 1], [20, 50], [32, 2]), "straggler-bound"),
+    # the wait (30) beats the real transfer (20 ms, the slow rank's comm), not the mean
+    # comm (35 ms), which contains half the wait
+    (_p([1, 1], [10, 40], [50, 20]), "straggler-bound"),
+    # the loader (35 ms) costs more than the wait (20), and than any rank's compute:
+    # input-bound, not a straggler
+    (_p([35, 35], [10, 30], [22, 2]), "input-bound"),
+    # the fast rank's own compute (30 ms) costs more than the wait (20): compute-bound
+    (_p([1, 1], [30, 50], [22, 2]), "compute-bound"),
+    # the wait (20) beats each real cost, not their sum (1 + 15 + 10 = 26 ms)
+    (_p([1, 1], [15, 35], [30, 10]), "straggler-bound"),
+    # the slow rank is rank 0, and one of four
+    (_p([1, 1, 1, 1], [45, 10, 10, 10], [2, 37, 37, 37]), "straggler-bound"),
+    # four ranks, one slow: the wait (30) beats the fast ranks' compute (20) but not the
+    # mean compute (27.5); slowest minus mean is 22.5
+    (_p([1, 1, 1, 1], [20, 20, 20, 50], [32, 32, 32, 2]), "straggler-bound"),
 ]
 
 
@@ -112,7 +132,13 @@ def check_classify_bottleneck(classify_bottleneck) -> None:
       costs: profile 5 (noise on small compute flagged);
     * memory tested after the timings, or ``> 0.9``: profiles 6 and 8;
     * ``>=`` where the wait must be *larger* than every cost: profile 9;
-    * the mean comm (which includes waiting) as the real comm cost: profiles 4, 10;
+    * the mean comm (which includes waiting) as the real comm cost: profiles 4, 10, 12;
+    * a mean where the fastest or slowest rank decides: the wait as slowest minus the
+      mean compute, or mean minus fastest (11, 17); the mean compute as the fast rank's
+      real cost (11, 15); profiles whose ranks differ enough to tell them apart;
+    * a real cost left out of the comparison (the loader: 13; the fast rank's compute:
+      14) or the costs summed instead of each compared (15);
+    * the last rank assumed to be the slow one (``compute[-1] - compute[0]``): 16;
     * a misspelled label ("memory bound"), None, or an exception: named.
     """
     labels = ("memory-bound", "straggler-bound", "input-bound", "all-reduce-bound",

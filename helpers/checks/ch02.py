@@ -49,12 +49,39 @@ def _ranked_grads(average_gradients):
     # a parameter the forward never uses (a frozen or unused layer): its .grad stays None
     model.register_parameter("unused", torch.nn.Parameter(torch.zeros(3, device=x.device)))
     model(x[m * r:m * (r + 1)], y[m * r:m * (r + 1)])[1].backward()
-    average_gradients(model)
+    grad_bytes = sum(q.grad.numel() * q.grad.element_size() for q in model.parameters()
+                     if q.grad is not None)
+    collectives, reduced = _counted(average_gradients, model)
     if model.unused.grad is not None:
         raise RuntimeError("average_gradients gave a gradient to a parameter that had none "
                            "(.grad was None): skip parameters whose .grad is None")
-    return [q.grad.clone() if q.grad is not None else None
-            for n, q in model.named_parameters() if n != "unused"]
+    grads = [q.grad.clone() if q.grad is not None else None
+             for n, q in model.named_parameters() if n != "unused"]
+    return grads, collectives, reduced, grad_bytes
+
+
+def _counted(fn, *args):
+    """Run ``fn(*args)`` and return (the collectives it called, in order; the bytes it
+    handed to ``all_reduce``). The names come from the checks' spy
+    (``helpers.checks.spy``); the bytes from a wrapper around ``all_reduce`` beneath it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from helpers.checks.spy import communication_spy
+
+    original, reduced = dist.all_reduce, []
+
+    def all_reduce(tensor, *a, **kw):
+        reduced.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *a, **kw)
+
+    dist.all_reduce = c10d.all_reduce = all_reduce
+    try:
+        with communication_spy(keep_values=False) as spy:
+            fn(*args)
+    finally:
+        dist.all_reduce = c10d.all_reduce = original
+    return list(spy.collectives), sum(reduced)
 
 
 def _probe_model(fn):
@@ -96,6 +123,9 @@ def check_average_gradients(average_gradients) -> None:
     * sets ``p.grad`` to None or replaces it with a non-tensor: named per tensor;
     * all-reduces a parameter whose ``.grad`` is None (the model has one the forward
       never uses): the rank's error, with the advice to skip it;
+    * right numbers from more communication than one all-reduce: an all_gather then a
+      mean, a reduce then a broadcast (named), a gradient all-reduced twice (the bytes
+      handed to all_reduce are counted against the gradients' bytes);
     * raises (a typo, a wrong collective argument): the rank's error, as CheckFailed.
     """
     if not callable(average_gradients):
@@ -103,10 +133,38 @@ def check_average_gradients(average_gradients) -> None:
     for world in WORLDS:
         results = on_ranks(_ranked_grads, world, average_gradients, what="average_gradients",
                            probe=lambda: _probe_model(average_gradients), hints=_NONE_GRAD)
-        _compare_grads(results, world)
-    n = len(results[0])
+        _compare_grads([grads for grads, *_ in results], world)
+        _check_traffic(results, world)
+    n = len(results[0][0])
     passed(f"averaged gradients on {' and '.join(map(str, WORLDS))} ranks equal one process "
            f"on the global batch ({n} tensors, within float32 rounding)")
+
+
+def _check_traffic(results: list, world: int) -> None:
+    """Right numbers can come from more communication than an all-reduce needs: an
+    all_gather of every gradient (then a mean) moves p copies to every rank, a
+    reduce to rank 0 then a broadcast serializes through one rank, a second all-reduce
+    of the same tensor sends everything twice. Count what went in."""
+    for rank, (_, collectives, reduced, grad_bytes) in enumerate(results):
+        others = sorted(set(collectives) - {"all_reduce"})
+        if others:
+            raise CheckFailed(
+                f"{world} ranks, rank {rank}: the gradients are right, but average_gradients "
+                f"called {', '.join(others)}. "
+                + ("all_gather hands every rank all p gradients, p times the memory and "
+                   "(p-1)/p x p of the bytes per rank where an all-reduce sends 2(p-1)/p: "
+                   if "all_gather" in others or "all_gather_into_tensor" in others else
+                   "A reduce to one rank and a broadcast back funnel every byte through "
+                   "that rank: " if "reduce" in others or "broadcast" in others else "")
+                + "sum with dist.all_reduce and divide by the world size.")
+        if reduced != grad_bytes:
+            raise CheckFailed(
+                f"{world} ranks, rank {rank}: the gradients are right, but {reduced:,} bytes "
+                f"went through all_reduce for {grad_bytes:,} bytes of gradients: "
+                + ("each gradient should be all-reduced once (is one all-reduced twice, or "
+                   "something else reduced too?)." if reduced > grad_bytes else
+                   "some gradients were not all-reduced (the ranks' shares then only agree "
+                   "by chance)."))
 
 
 def _compare_grads(results: list, world: int) -> None:

@@ -127,7 +127,13 @@ def _run_hook(cls):
     x, y = (t.to(rank_info().device) for t in data.batch(range(2 * p)))
     ddp = cls(build_model("toy", seed=0).to(rank_info().device),
               bucket_cap_mb=0.01, first_bucket_mb=0.001)
-    ddp(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])[1].backward()
+    loss = ddp(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])[1]
+    # every collective of the backward, as the checks' spy sees it: one all-reduce per
+    # bucket is the whole of the reducer's communication
+    from helpers.checks.spy import communication_spy
+    with communication_spy(keep_values=False) as spy:
+        loss.backward()
+    out["collectives"] = list(spy.collectives)
     out["grads"] = [p.grad.clone() for p in ddp.module.parameters()]
     out["timeline"] = ddp.timeline
     out["n_buckets"] = len(ddp.buckets)
@@ -167,6 +173,9 @@ def check_grad_ready_hook(cls) -> None:
       parameter's shape, or divides again (by p or a fixed 2): gradients differ from
       one process (named);
     * never records 'ready', or records it twice: named;
+    * right gradients from extra communication (finish_backward all-reducing the
+      ``.grad`` tensors again, or instead of waiting for the buckets): the backward's
+      collectives are counted, one all-reduce per bucket (named);
     * passes an instance, or a class not derived from BucketedDDP: named;
     * any other exception: the rank's error, as CheckFailed.
     """
@@ -206,6 +215,15 @@ def _compare(results: list, world: int) -> None:
                     f"(the future's buffer is already averaged: don't divide again): "
                     f"finish_backward waits for each bucket's future and writes its averaged "
                     f"values back, in the parameter's shape.")
+        n = out["n_buckets"]
+        if out["collectives"] != ["all_reduce"] * n:
+            names = sorted(set(out["collectives"]))
+            raise CheckFailed(
+                f"{world} ranks, rank {rank}: the gradients are right, but the backward issued "
+                f"{len(out['collectives'])} collective(s) ({', '.join(names) or 'none'}) for "
+                f"{n} buckets. The reducer's whole communication is one all-reduce per "
+                f"bucket, started by launch_bucket; finish_backward only waits for the "
+                f"futures and copies their averaged buffers back.")
         for key, nb in (("timeline", "n_buckets"), ("timeline2", "n_buckets2")):
             tl, n = out[key], out[nb]
             launched = [e["bucket"] for e in tl if e["event"] == "launched"]

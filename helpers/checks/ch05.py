@@ -28,13 +28,20 @@ def _run_accumulate(accumulate, k):
 
     r = rank_info().rank
     dev = rank_info().device
-    calls = []
+    calls, forwards = [], []
+    ddp = None
+
+    class Watched(BucketedDDP):
+        def forward(self, *args, **kwargs):  # was the forward run inside no_sync()?
+            forwards.append(not self.require_backward_grad_sync)
+            return super().forward(*args, **kwargs)
 
     def counting_hook(flat, group):  # every bucket all-reduce goes through here
-        calls.append(flat.numel())
+        # inside no_sync() *now*: the backward ran inside it, its forward did not
+        calls.append(not ddp.require_backward_grad_sync)
         return allreduce_hook(flat, group)
 
-    ddp = BucketedDDP(build_model("toy", seed=0).to(dev), comm_hook=counting_hook)
+    ddp = Watched(build_model("toy", seed=0).to(dev), comm_hook=counting_hook)
     n = ROWS * k
     x, y = (t.to(dev) for t in _data().batch(range(n * r, n * r + n)))
     micro = [(x[ROWS * i:ROWS * (i + 1)], y[ROWS * i:ROWS * (i + 1)]) for i in range(k)]
@@ -43,7 +50,9 @@ def _run_accumulate(accumulate, k):
     ok = isinstance(loss, (float, int)) and not isinstance(loss, bool) or \
         isinstance(loss, torch.Tensor) and loss.numel() == 1
     return ([None if p.grad is None else p.grad.clone() for p in ddp.module.parameters()],
-            len(calls), len(ddp.buckets), float(loss) if ok else repr(loss)[:60])
+            len(calls), len(ddp.buckets), float(loss) if ok else repr(loss)[:60],
+            {"forwards_in_no_sync": sum(forwards), "forwards": len(forwards),
+             "reduced_in_no_sync": sum(calls)})
 
 
 def _data():
@@ -68,7 +77,12 @@ def check_accumulate(accumulate) -> None:
     * 1/k hard-coded from the first run (``/ 3``): the 4-rank run has k = 2 (named
       as a ratio);
     * all-reduces every micro-batch (no no_sync): more bucket all-reduces (named);
-    * no_sync around *every* backward: no communication, this rank's own gradient;
+    * the backwards inside no_sync() but their forwards outside: the hooks were armed
+      at the forward, so every backward still reduced (named as such);
+    * no_sync around *every* micro-batch: the count of bucket all-reduces (0) is named
+      before the gradient, which is then this rank's own;
+    * the gradients all-reduced by hand after a fully local accumulation: right
+      numbers, 0 bucket all-reduces (named);
     * returns the last micro-batch's loss, or the sum: named;
     * returns None or a non-number: named; any exception: as CheckFailed.
     """
@@ -92,7 +106,20 @@ def _compare(results: list, world: int, k: int) -> None:
     x, y = _data().batch(range(world * n))
     ref(x, y)[1].backward()
     ref64(x, y)[1].backward()  # float64: the exact answer, to ~1e-16
-    for rank, (grads, n_calls, n_buckets, loss) in enumerate(results):
+    for rank, (grads, n_calls, n_buckets, loss, seen) in enumerate(results):
+        right = all(g is not None and within_fp32_noise(g, p.grad, p64.grad)[0]
+                    for p, p64, g in zip(ref.parameters(), ref64.parameters(), grads))
+        if n_calls == 0:
+            raise CheckFailed(
+                f"{where}, rank {rank}: the check counted 0 bucket all-reduces: "
+                + (f"all {seen['forwards']} forward(s) ran inside no_sync(), so the wrapper "
+                   f"never reduced and each rank kept its own gradient. Run the last "
+                   f"micro-batch, forward and backward, outside no_sync()."
+                   if not right else
+                   "the gradients are right, but they never went through the wrapper's "
+                   "buckets (all-reduced by hand?). Let the last micro-batch's backward run "
+                   "outside no_sync(): the wrapper then all-reduces the accumulated sum, "
+                   "bucket by bucket, overlapped with that backward."))
         for (name, p), p64, g in zip(ref.named_parameters(), ref64.parameters(), grads):
             if g is None:
                 raise CheckFailed(f"{where}, rank {rank}: {name}.grad is None after accumulate")
@@ -108,6 +135,14 @@ def _compare(results: list, world: int, k: int) -> None:
                                                       for j in range(2, 9) if j != k) else "")
             raise CheckFailed(f"{where}, rank {rank}: {name}.grad differs from the global "
                               f"batch's (norm ratio {ratio:.3f}).{hint}")
+        if n_calls != n_buckets and seen["reduced_in_no_sync"]:
+            raise CheckFailed(
+                f"{where}, rank {rank}: {n_calls} bucket all-reduces for {n_buckets} "
+                f"bucket(s), {seen['reduced_in_no_sync']} of them from a backward you ran "
+                f"inside no_sync(): its forward ran outside. The wrapper decides at the "
+                f"forward whether the next backward reduces (the forward arms the hooks, as "
+                f"in DDP, chapter 04), so put each of the first {k - 1} forwards inside "
+                f"no_sync() together with its backward.")
         if n_calls != n_buckets:
             raise CheckFailed(f"{where}, rank {rank}: {n_calls} bucket all-reduces for "
                               f"{n_buckets} bucket(s): the first {k - 1} micro-batch(es) must "

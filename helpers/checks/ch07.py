@@ -23,6 +23,8 @@ leaves only this rank's chunk summed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
@@ -73,12 +75,12 @@ def check_node_layout(node_layout) -> None:
            "a world that does not fill the nodes is refused")
 
 
-def _run_hierarchical(fn):
+def _run_hierarchical(fn, gpus_per_node=GPUS):
     import torch.distributed as dist
 
     from helpers.topology import Wire, node_groups
 
-    groups = node_groups(GPUS)
+    groups = node_groups(gpus_per_node)
     rank = dist.get_rank()
     out = []
     for n in SIZES:
@@ -86,51 +88,96 @@ def _run_hierarchical(fn):
         x = torch.randint(-50, 50, (n,), generator=g).double()  # small ints: sums are exact
         ref = x.clone()
         dist.all_reduce(ref)
-        wire = Wire(GPUS)
+        wire = Wire(gpus_per_node)
         fn(x, groups.intra, groups.inter, wire)
         out.append((torch.equal(x, ref), wire.cross_bytes))
     dist.barrier()
     return out
 
 
+# (ranks, GPUs per node): 2 nodes of 2, then 2 nodes of 3, so that a chunk or a node
+# size hard-coded from the first grid (``x.chunk(2)``, ``rank % 2``) fails the second
+GRIDS = ((WORLD, GPUS), (6, 3))
+
+
 def check_hierarchical(hierarchical) -> None:
-    """4 ranks as 2 nodes x 2, three sizes (one that does not split evenly), exact sums,
-    bytes across nodes counted by the Wire. Mistakes it catches: a flat ring over the
-    world; all of x across nodes; the phases on swapped groups; a missing all-gather;
-    messages not sent through the wire (nothing counted)."""
-    from helpers.topology import Topology, collective_cost, IB_NDR, NVLINK4_H100
-    from helpers.topology import Wire
+    """4 ranks as 2 nodes x 2, then 6 as 2 nodes x 3; three sizes (one that does not
+    split evenly), exact sums, bytes across nodes counted by the Wire. Mistakes it
+    catches: a flat ring over the world; all of x across nodes; the phases on swapped
+    groups; a missing all-gather; messages not sent through the wire (nothing counted);
+    a chunk or node size hard-coded from the 2 x 2 grid (the 2 x 3 one)."""
+    from helpers.topology import IB_NDR, NVLINK4_H100, Topology, Wire, collective_cost
 
     if not callable(hierarchical):
         raise CheckFailed(f"hierarchical should be a function, got {hierarchical!r}")
-    results = on_ranks(_run_hierarchical, WORLD, hierarchical, what="hierarchical",
-                       timeout=120,  # generous: 6 subgroups on a loaded 2-core machine
-                       probe=lambda: hierarchical(torch.zeros(4), None, None, Wire(1)))
-    for i, n in enumerate(SIZES):
-        wrong = [r for r, res in enumerate(results) if not res[i][0]]
-        if wrong:
-            raise CheckFailed(f"hierarchical: a tensor of {n} elements does not hold the sum "
-                              f"over all {WORLD} ranks on rank(s) {wrong}. Reduce-scatter inside "
-                              f"the node, all-reduce *your chunk* across nodes, all-gather inside.")
-    topo = Topology("2x2", 2, GPUS, NVLINK4_H100, IB_NDR, nics_per_node=GPUS)
-    N = 8 * SIZES[0]  # float64 bytes
-    want = collective_cost(topo, "all_reduce", N, WORLD, "hierarchical").cross_node_bytes
-    flat = collective_cost(topo, "all_reduce", N, WORLD, "ring").cross_node_bytes
-    got = sum(res[0][1] for res in results)
-    if got != want:
-        hint = ""
-        if got == flat:
-            hint = " That is exactly a flat ring over all ranks: use the subgroups."
-        elif got > want:
-            hint = (" More than the hierarchy needs: only the chunk that the intra-node "
-                    "reduce-scatter returns should cross nodes, and only in the inter group.")
-        elif got == 0:
-            hint = " Nothing crossed nodes: were the messages sent through `wire`?"
-        raise CheckFailed(f"hierarchical: {got:g} bytes crossed node boundaries for a "
-                          f"{N}-byte tensor on 2 nodes x 2; the hierarchical all-reduce sends "
-                          f"2 (nodes - 1) N = {want:g} (a flat ring: {flat:g}).{hint}")
-    passed(f"hierarchical all-reduce on 2 nodes x 2 ranks: the exact sum, and {got:g} bytes "
-           f"across nodes for a {N}-byte tensor (a flat ring sends {flat:g})")
+    for world, g in GRIDS:
+        nodes = world // g
+        grid = f"{nodes} nodes x {g}"
+        results = on_ranks(_run_hierarchical, world, hierarchical, g,
+                           what=f"hierarchical on {grid}",
+                           timeout=120,  # generous: up to 5 subgroups on a loaded 2-core machine
+                           probe=lambda: hierarchical(torch.zeros(4), None, None, Wire(1)))
+        for i, n in enumerate(SIZES):
+            wrong = [r for r, res in enumerate(results) if not res[i][0]]
+            if wrong:
+                raise CheckFailed(f"hierarchical on {grid}: a tensor of {n} elements does not "
+                                  f"hold the sum over all {world} ranks on rank(s) {wrong}. "
+                                  f"Every element must be summed over every rank, with only "
+                                  f"the part a rank owns after the intra-node step crossing "
+                                  f"nodes.")
+        topo = Topology(grid, nodes, g, NVLINK4_H100, IB_NDR, nics_per_node=g)
+        N = 8 * SIZES[0]  # float64 bytes
+        want = collective_cost(topo, "all_reduce", N, world, "hierarchical").cross_node_bytes
+        flat = collective_cost(topo, "all_reduce", N, world, "ring").cross_node_bytes
+        got = sum(res[0][1] for res in results)
+        if got != want:
+            hint = ""
+            if got == flat:
+                hint = " That is exactly a flat ring over all ranks: use the subgroups."
+            elif got > want:
+                hint = (" More than the hierarchy needs: only the chunk that the intra-node "
+                        "reduce-scatter returns should cross nodes, and only in the inter "
+                        "group.")
+            elif got == 0:
+                hint = " Nothing crossed nodes: were the messages sent through `wire`?"
+            raise CheckFailed(f"hierarchical on {grid}: {got:g} bytes crossed node boundaries "
+                              f"for a {N}-byte tensor; the hierarchical all-reduce sends "
+                              f"2 (nodes - 1) N = {want:g} (a flat ring: {flat:g}).{hint}")
+    passed(f"hierarchical all-reduce on 2 nodes x 2 and 2 nodes x 3: the exact sum, and "
+           f"{got:g} bytes across nodes for a {N}-byte tensor on the second (a flat ring "
+           f"sends {flat:g})")
+
+
+# The course's own prices of a ring: calling one of them is the chapter's answer, not the
+# exercise's. Switched off while the learner's function runs (their code objects are
+# swapped, so a name imported with ``from helpers.costs.network import ring_time`` before
+# the check is caught as well as ``network.ring_time``).
+_PRICES = ("ring_time", "ring_latency", "bus_bandwidth", "scattered_ring_time",
+           "scattered_bus_bandwidth", "collective_time", "hierarchical_all_reduce_time")
+
+
+_OFF = "a helpers.costs.network price, switched off in this check"
+
+
+def _refused(*args, **kwargs):
+    # runs as the swapped function's code, with *its* module's globals: builtins only
+    raise RuntimeError("a helpers.costs.network price, switched off in this check")
+
+
+@contextlib.contextmanager
+def _prices_switched_off():
+    from helpers.costs import network
+
+    saved = []
+    try:
+        for name in _PRICES:
+            fn = getattr(network, name)
+            saved.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
+            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = _refused.__code__, None, None
+        yield
+    finally:
+        for fn, code, defaults, kwdefaults in saved:
+            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
 
 
 def check_placement_times(placement_times) -> None:
@@ -144,7 +191,10 @@ def check_placement_times(placement_times) -> None:
     * N / B instead of 2(P-1)/P N / B per rank, or P steps instead of 2(P-1);
     * 'across' equal to 'inside' (the group never left the node);
     * a hard-coded group size or topology: four sizes on three machines;
-    * a non-number or a missing key.
+    * a non-number or a missing key;
+    * the chapter's one-line answer (``network.ring_time(topology, "all_reduce", nbytes,
+      k, stride)``) or any other of ``helpers.costs.network``'s ring prices: switched off
+      while the function runs, and named.
     """
     from helpers.costs import network
     from helpers.topology import a100_cluster, h100_cluster, pcie_cluster
@@ -152,8 +202,18 @@ def check_placement_times(placement_times) -> None:
     cases = [(h100_cluster(8), 1e8, 8), (h100_cluster(4), 1e6, 4), (a100_cluster(4), 1e4, 3),
              (pcie_cluster(8), 1e8, 8), (pcie_cluster(4), 1e3, 2)]
     for topo, nbytes, k in cases:
-        got = attempt(placement_times, topo, nbytes, k, what="placement_times")
         case = f"placement_times({topo.name}, {nbytes:g}, {k})"
+        try:
+            with _prices_switched_off():
+                got = attempt(placement_times, topo, nbytes, k, what="placement_times")
+        except CheckFailed as failed:
+            if _OFF not in str(failed.__cause__):
+                raise
+            raise CheckFailed(
+                f"{case} calls one of helpers.costs.network's prices ({', '.join(_PRICES)}): "
+                f"that is the chapter's answer to this exercise. Write the price from the "
+                f"topology's links: 2(P-1) steps of the link's latency, and 2(P-1)/P of the "
+                f"tensor at the bandwidth a rank gets.") from None
         if not isinstance(got, dict) or set(got) != {"inside", "across"}:
             raise CheckFailed(f"{case} should return a dict with keys 'inside' and "
                               f"'across', got {got!r}")

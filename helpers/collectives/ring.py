@@ -60,6 +60,7 @@ of the cost model.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,11 +88,25 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def ring_neighbours(group) -> tuple[int, int, int, int]:
-    """(rank, world_size, right neighbour, left neighbour), all ranks *within* ``group``;
-    (0, 1, 0, 0) outside any process group."""
+def ring_neighbours(group, order: Sequence[int] | None = None) -> tuple[int, int, int, int]:
+    """(position, world_size, right neighbour, left neighbour) on the ring, the neighbours
+    as ranks *within* ``group``; (0, 1, 0, 0) outside any process group.
+
+    ``order``: the group ranks in the order the ring visits them (``order[i]`` sits at
+    position i; default: rank order, so position == rank). The position, not the rank,
+    picks the chunks a rank sends and owns: with ``order=[0, 2, 1, 3]`` rank 2 sits at
+    position 1, sends to rank 1, receives from rank 0 and ends owning chunk 1. Every rank
+    must pass the same ``order``.
+    """
     rank, p = group_rank(group), world_size(group)  # no process group: one rank, nothing to do
-    return rank, p, (rank + 1) % p, (rank - 1) % p
+    if order is None:
+        return rank, p, (rank + 1) % p, (rank - 1) % p
+    order = [int(r) for r in order]
+    if sorted(order) != list(range(p)):
+        raise ValueError(f"order must list every rank of the group once (0..{p - 1}), "
+                         f"got {order}")
+    pos = order.index(rank)
+    return pos, p, order[(pos + 1) % p], order[(pos - 1) % p]
 
 
 def flat_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -221,10 +236,12 @@ def _send_and_add(send: torch.Tensor, mine: torch.Tensor, buf: torch.Tensor, rig
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None,
                         workspace: torch.Tensor | None = None, *,
-                        exchange=post_pair, segmented: bool = True) -> torch.Tensor:
+                        exchange=post_pair, segmented: bool = True,
+                        order: Sequence[int] | None = None) -> torch.Tensor:
     """Phase 1, in place: afterwards chunk ``rank`` (``chunk_bounds``) holds the sum.
 
-    Returns that chunk (a view into ``tensor``). The other chunks hold partial
+    Returns that chunk (a view into ``tensor``); with ``order``, the chunk of this
+    rank's *position* on the ring (``ring_neighbours``). The other chunks hold partial
     sums and are meant to be overwritten by ``ring_all_gather``.
     ``workspace``: optional receive buffer of at least one chunk, reused across
     calls. A fresh large buffer costs the kernel's zeroing of every new page on
@@ -233,10 +250,11 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None,
     ``exchange``: the hook every message goes through (module docstring).
     ``segmented``: move each chunk in ``SEGMENT_BYTES`` pieces, adding each as it
     lands (default); False sends it as one message.
+    ``order``: the ring's rank order (``ring_neighbours``); default: rank order.
     """
     flat = flat_view(tensor)
     check_summable(flat, "ring_reduce_scatter")
-    rank, p, right, left = ring_neighbours(group)
+    rank, p, right, left = ring_neighbours(group, order)  # rank: the position on the ring
     if p == 1:
         return flat
     bounds = chunk_bounds(flat.numel(), p)
@@ -254,15 +272,17 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None,
     return flat[a:b]
 
 
-def ring_all_gather(tensor: torch.Tensor, group=None, *, exchange=post_pair) -> torch.Tensor:
+def ring_all_gather(tensor: torch.Tensor, group=None, *, exchange=post_pair,
+                    order: Sequence[int] | None = None) -> torch.Tensor:
     """Phase 2, in place: on entry chunk ``rank`` is final; on return every chunk is.
 
     Step s sends chunk (rank - s) and receives chunk (rank - s - 1) straight
     into its place (no add, no extra buffer, so nothing to overlap: one
-    message per step). ``exchange``: as in ``ring_reduce_scatter``.
+    message per step). ``exchange``, ``order``: as in ``ring_reduce_scatter``
+    (with ``order``, "rank" is the position on the ring).
     """
     flat = flat_view(tensor)
-    rank, p, right, left = ring_neighbours(group)
+    rank, p, right, left = ring_neighbours(group, order)
     if p == 1:
         return tensor
     bounds = chunk_bounds(flat.numel(), p)
@@ -275,7 +295,8 @@ def ring_all_gather(tensor: torch.Tensor, group=None, *, exchange=post_pair) -> 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None,
                     workspace: torch.Tensor | None = None, *,
-                    exchange=post_pair, segmented: bool = True) -> torch.Tensor:
+                    exchange=post_pair, segmented: bool = True,
+                    order: Sequence[int] | None = None) -> torch.Tensor:
     """In-place sum over the group, as reduce-scatter then all-gather. Returns ``tensor``.
 
     Same result as ``dist.all_reduce(tensor)`` (up to floating-point summation
@@ -283,9 +304,12 @@ def ring_all_reduce(tensor: torch.Tensor, group=None,
     Any dtype torch can add on the tensor's device, including int16, which
     gloo's own all_reduce refuses; bool and dtypes without an add kernel
     (uint16, float8 on CPU) raise TypeError before any message is sent.
-    ``workspace``, ``exchange``, ``segmented``: see ``ring_reduce_scatter``.
+    ``workspace``, ``exchange``, ``segmented``, ``order``: see ``ring_reduce_scatter``.
+    ``order`` changes who neighbours whom (chapter 07: which hops cross a node
+    boundary), not the result.
     """
     check_summable(flat_view(tensor), "ring_all_reduce")
-    ring_reduce_scatter(tensor, group, workspace, exchange=exchange, segmented=segmented)
-    ring_all_gather(tensor, group, exchange=exchange)
+    ring_reduce_scatter(tensor, group, workspace, exchange=exchange, segmented=segmented,
+                        order=order)
+    ring_all_gather(tensor, group, exchange=exchange, order=order)
     return tensor

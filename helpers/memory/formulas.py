@@ -50,7 +50,8 @@ from helpers.validate import is_int, positive_int
 
 __all__ = ["GB", "ModelStateBytes", "model_state_bytes",
            "activation_bytes_per_layer", "activation_bytes_model", "MODEL_PRESETS",
-           "BYTES_PER_PARAM_BY_PRECISION", "OPTIMIZER_STATE", "training_memory", "memory_over_step"]
+           "BYTES_PER_PARAM_BY_PRECISION", "OPTIMIZER_STATE", "training_memory", "memory_over_step",
+           "GRAD_BUFFERS"]
 
 GB = 1e9  # decimal gigabyte, as in the ZeRO and Megatron papers
 
@@ -254,21 +255,36 @@ def training_memory(n_params: float, *, seq: int, micro_batch: int, hidden: int,
             "activations": act, "total": states.total + act}
 
 
+GRAD_BUFFERS = ("none", "view", "copy")
+
+
 def memory_over_step(budget: dict[str, float], layers: int, *,
-                     grad_buffer: bool = False) -> list[tuple[str, dict[str, float]]]:
+                     grad_buffer: bool | str = False) -> list[tuple[str, dict[str, float]]]:
     """Live bytes of each part at each point of one training step, from a
     ``training_memory`` budget: the parts are not all alive at once.
 
-    * start: weights and optimizer state; no gradients, since the previous
-      step's ``zero_grad(set_to_none=True)`` (PyTorch's default) freed them,
-      unless ``grad_buffer``: a gradient buffer allocated once and kept for the
-      whole run, as data-parallel wrappers do. DDP's Reducer holds gradient-sized
-      all-reduce buckets from construction (torch 2.13,
-      ``torch/nn/parallel/distributed.py``: ``gradient_as_bucket_view=True``
-      makes ``.grad`` views into them, saving "the total gradients size");
-      Megatron's DDP keeps a contiguous gradient buffer (its
-      ``docs/source/api-guide/dist_optimizer.md``). Then gradients count in full
-      at every point and the peak is the sum of the parts;
+    ``grad_buffer`` says who else holds gradient bytes (``GRAD_BUFFERS``):
+
+    * ``"none"`` (or False): nobody. The previous step's
+      ``zero_grad(set_to_none=True)`` (PyTorch's default) freed the gradients;
+      they appear in backward and live until the next ``zero_grad``. A plain
+      optimizer, or ZeRO-3/FSDP, whose full gradients are freed once
+      reduce-scattered;
+    * ``"view"`` (or True): a gradient buffer allocated once and kept for the
+      whole run, the ``.grad`` tensors being views into it: DDP with
+      ``gradient_as_bucket_view=True`` (torch 2.13,
+      ``torch/nn/parallel/distributed.py``: it saves "the total gradients
+      size"), Megatron-LM's contiguous gradient buffer (its
+      ``docs/source/api-guide/dist_optimizer.md``). Gradients count in full at
+      every point, once;
+    * ``"copy"``: DDP's default (``gradient_as_bucket_view=False``): the Reducer's
+      gradient-sized buckets live for the whole run *and* autograd's ``.grad``
+      tensors are separate, copied into the buckets and back, alive from backward
+      to ``zero_grad``. Returned under a fifth key, ``"buckets"``.
+
+    The points:
+
+    * start: weights, optimizer state, and the buffers above;
     * forward, after layer i of ``layers``: i / layers of the activations;
     * backward, after layer i from the top: the activations of the layers
       not yet reached, plus the gradients of the layers already done (a layer's
@@ -276,23 +292,37 @@ def memory_over_step(budget: dict[str, float], layers: int, *,
     * optimizer step: weights, gradients and optimizer state;
     * after zero_grad: back to the start.
 
-    Within backward the live total is linear in i, so the peak is
-    weights + optimizer + max(activations, gradients), not the sum of all four
-    parts. A model, not a measurement: it leaves out temporaries (a layer's
-    backward workspace, the logits, Adam's update buffers), the CUDA context and
-    fragmentation, and ZeRO-2/3's full-size gradient buckets before their
-    reduce-scatter; ``torch.cuda.max_memory_allocated`` sees those too.
+    Within backward the live total is linear in i, so with ``"none"`` the peak is
+    weights + optimizer + max(activations, gradients), less than the sum of the
+    four parts; with ``"view"`` it is the sum; with ``"copy"`` it is weights +
+    optimizer + gradients + max(activations, gradients), *more* than the sum
+    whenever the gradients outweigh the activations: the gradients are held twice
+    at the end of backward. A model, not a measurement: it leaves out temporaries
+    (a layer's backward workspace, the logits, Adam's update buffers), the CUDA
+    context and fragmentation, and ZeRO-2/3's full-size gradient buckets before
+    their reduce-scatter. On a GPU, ``torch.cuda.max_memory_allocated`` sees the
+    temporaries (every tensor the caching allocator hands out, rounded up to its
+    block sizes); fragmentation shows in ``torch.cuda.memory_reserved`` only, the
+    CUDA context in the driver's view only (``meter.cuda_memory_views``).
     """
     positive_int("layers", layers)
+    mode = {False: "none", True: "view"}.get(grad_buffer, grad_buffer) \
+        if isinstance(grad_buffer, bool) else grad_buffer
+    if mode not in GRAD_BUFFERS:
+        raise ValueError(f"grad_buffer must be one of {GRAD_BUFFERS} (or False / True), "
+                         f"got {grad_buffer!r}")
     w, g, o, a = (float(budget[k]) for k in ("weights", "grads", "optimizer", "activations"))
-    g0 = g if grad_buffer else 0.0  # gradient bytes alive before backward writes any
-    points = [("start", {"weights": w, "grads": g0, "optimizer": o, "activations": 0.0})]
+    g0 = g if mode == "view" else 0.0  # gradient bytes alive before backward writes any
+    extra = {"buckets": g} if mode == "copy" else {}  # DDP's buckets beside the .grad copies
+
+    def point(grads: float, acts: float) -> dict[str, float]:
+        return {"weights": w, "grads": grads, "optimizer": o, "activations": acts, **extra}
+
+    points = [("start", point(g0, 0.0))]
     for i in range(1, layers + 1):
-        points.append((f"forward {i}", {"weights": w, "grads": g0, "optimizer": o,
-                                        "activations": a * i / layers}))
+        points.append((f"forward {i}", point(g0, a * i / layers)))
     for i in range(1, layers + 1):
-        points.append((f"backward {i}", {"weights": w, "grads": max(g0, g * i / layers),
-                                         "optimizer": o, "activations": a * (layers - i) / layers}))
-    points.append(("optimizer step", {"weights": w, "grads": g, "optimizer": o, "activations": 0.0}))
+        points.append((f"backward {i}", point(max(g0, g * i / layers), a * (layers - i) / layers)))
+    points.append(("optimizer step", point(g, 0.0)))
     points.append(("after zero_grad", dict(points[0][1])))
     return points

@@ -17,9 +17,24 @@ the "Hooks for saved tensors" note of the autograd docs) and module forward
 hooks (``register_forward_hook(..., always_call=True)``), as in torch 2.x (the
 course pins 2.13.0).
 
-What the counter does not see (temporaries, allocator fragmentation, the CUDA
-context: the package docstring) the allocator does: ``cuda_peak_bytes`` reads
-``torch.cuda.max_memory_allocated`` around a call.
+What the counter does not see, a GPU shows in three views, each holding the one
+before (torch 2.13, ``torch/cuda/memory.py``):
+
+* *allocated* (``torch.cuda.memory_allocated``, ``max_memory_allocated``): every
+  tensor the caching allocator handed out, temporaries included, each rounded up
+  to the allocator's block size (``memory_stats``' ``requested_bytes`` is the
+  unrounded figure). ``cuda_peak_bytes`` reads its peak around a call;
+* *reserved* (``torch.cuda.memory_reserved``): what the allocator took from the
+  driver and keeps, including freed blocks it caches and the unusable remainders
+  of split blocks, i.e. fragmentation. It is not in *allocated*;
+* the *driver's view* (``torch.cuda.mem_get_info``, ``nvidia-smi``): adds what
+  lives outside PyTorch's allocator, the CUDA context (hundreds of MB per process)
+  and buffers libraries allocate themselves (NCCL's). ``memory_allocated``'s own
+  note: it is "likely less than the amount shown in nvidia-smi since some unused
+  memory can be held by the caching allocator and some context needs to be
+  created on GPU".
+
+``cuda_memory_views`` reads all three around a call.
 """
 
 from __future__ import annotations
@@ -32,7 +47,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["SavedRecord", "SavedTensorCounter", "count_saved_bytes", "cuda_peak_bytes"]
+__all__ = ["SavedRecord", "SavedTensorCounter", "count_saved_bytes", "cuda_peak_bytes",
+           "cuda_memory_views"]
 
 
 # ---------------------------------------------------------------------------
@@ -253,8 +269,10 @@ def count_saved_bytes(model: nn.Module, *args, **kwargs) -> SavedTensorCounter:
 def cuda_peak_bytes(fn: Callable[[], object], device=None) -> int | None:
     """``torch.cuda.max_memory_allocated`` around ``fn()``; None without CUDA.
 
-    The allocator's view: activations *plus* weights, gradients, temporaries
-    and rounding to its block sizes. Subtract the bytes held before ``fn``.
+    The allocated view: activations *plus* weights, gradients, temporaries and
+    rounding to the allocator's block sizes, minus the bytes held before ``fn``.
+    Not in it: the allocator's cached free blocks (fragmentation) and the CUDA
+    context (``cuda_memory_views``, the module docstring).
     """
     if not torch.cuda.is_available():
         return None
@@ -264,3 +282,25 @@ def cuda_peak_bytes(fn: Callable[[], object], device=None) -> int | None:
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+def cuda_memory_views(fn: Callable[[], object], device=None) -> dict[str, int] | None:
+    """The three views of the module docstring around ``fn()``, in bytes; None without
+    CUDA: ``allocated_peak`` (the most bytes tensors held during ``fn``, above what they
+    held before), ``reserved_peak`` (the most the caching allocator held from the
+    driver), ``reserved_unused`` (reserved minus allocated after ``fn``: cached blocks,
+    fragmentation), ``driver_used`` (total minus free per ``cudaMemGetInfo``: the context,
+    other libraries' buffers and every process on the GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"allocated_peak": torch.cuda.max_memory_allocated(device) - before,
+            "reserved_peak": torch.cuda.max_memory_reserved(device),
+            "reserved_unused": torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device),
+            "driver_used": total - free}

@@ -22,7 +22,8 @@ __all__ = ["plot_memory_bars", "plot_memory_over_step", "memory_widget"]
 
 _PARTS = ("weights", "grads", "optimizer", "activations")
 _COLORS = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
-           "activations": "#c44e52"}
+           "activations": "#c44e52", "buckets": "#f2c6a0"}
+_LABELS = {"buckets": "DDP buckets"}
 
 
 def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: float | None = 80.0):
@@ -47,23 +48,26 @@ def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: floa
 
 
 def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
-                          gpu_gb: float | None = 80.0, grad_buffer: dict[str, bool] | None = None):
+                          gpu_gb: float | None = 80.0,
+                          grad_buffer: dict[str, bool | str] | None = None):
     """One panel per budget: the parts of ``memory_over_step`` stacked over the step,
-    with the sum of all parts (the bar chart's total) dashed for comparison.
-    ``grad_buffer`` names the budgets whose gradients live for the whole run (see
-    ``memory_over_step``)."""
+    with the sum of the four parts (the bar chart's total) dotted for comparison.
+    ``grad_buffer`` gives, per budget, who else holds gradient bytes (``"none"``,
+    ``"view"``, ``"copy"``: see ``memory_over_step``)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.2), squeeze=False)
     for ax, (name, budget) in zip(axes[0], budgets.items()):
         points = memory_over_step(budget, layers,
-                                  grad_buffer=bool((grad_buffer or {}).get(name, False)))
+                                  grad_buffer=(grad_buffer or {}).get(name, False))
+        parts = list(points[0][1])  # the four parts, and "buckets" when DDP copies
         gap = max(2, layers // 2)  # room for the optimizer step's label after backward
         xs = list(range(2 * layers + 1)) + [2 * layers + gap, 2 * layers + 2 * gap]
-        ax.stackplot(xs, *[[pt[part] / GB for _, pt in points] for part in _PARTS],
-                     labels=_PARTS, colors=[_COLORS[p] for p in _PARTS])
+        ax.stackplot(xs, *[[pt[part] / GB for _, pt in points] for part in parts],
+                     labels=[_LABELS.get(p, p) for p in parts],
+                     colors=[_COLORS[p] for p in parts])
         ax.axhline(sum(budget[p] for p in _PARTS) / GB, color="grey", ls=":", lw=1,
-                   label="sum of parts")
+                   label="sum of the four parts")
         if gpu_gb:
             ax.axhline(gpu_gb, color="k", ls="--", lw=1, label=f"{gpu_gb:g} GB GPU")
         ax.axvspan(layers, 2 * layers, color="0.9", zorder=0)  # backward
@@ -72,7 +76,7 @@ def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
                       fontsize=8)
         ax.set_title(name.replace("\n", " "), fontsize=9)
         ax.set_ylabel("GB per GPU")
-    axes[0][0].legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left")
     plt.tight_layout()
     return axes[0]
 

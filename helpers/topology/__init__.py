@@ -35,7 +35,8 @@ The hierarchical all-reduce adds phases (2(g-1) intra steps, 2(n-1) inter
 steps instead of 2(p-1) steps that all wait on the network) and needs two sets
 of communicators. NCCL gets the same effect inside one "flat" call: it builds
 several rings (channels) that run through each node on NVLink and leave by
-different NICs, and double binary trees across nodes; it chooses per message
+different NICs, ordered node by node from the topology whatever the ranks'
+numbering (NCCL 2.30.7, ``src/graph/search.cc`` and ``src/graph/connect.cc``), and double binary trees across nodes; it chooses per message
 size from a cost model like ``cost``. Knobs: NCCL_ALGO (Ring, Tree, NVLS,
 CollnetDirect...), NCCL_PROTO (LL, LL128, Simple), NCCL_P2P_LEVEL, NCCL_IB_HCA;
 NCCL_DEBUG=INFO prints the rings and trees it built.

@@ -66,7 +66,10 @@ class Wire:
     ``gpus_per_node``: global rank r is on node r // gpus_per_node.
     ``slow_link``: if given, each cross-node message is sent
     ``slow_link.time(nbytes)`` seconds late. One Wire per rank; its counters
-    cover what *this* rank sent.
+    cover what *this* rank sent, and ``sends`` lists each of its messages as
+    ``(from global rank, to global rank, bytes, crossed a node boundary)``, in
+    posting order: the record chapter 07's picture of a ring is drawn from
+    (``helpers.drawing.topology``).
     """
 
     def __init__(self, gpus_per_node: int, slow_link: Link | None = None):
@@ -76,6 +79,7 @@ class Wire:
         self.cross_bytes = 0      # bytes this rank sent to another node
         self.cross_messages = 0
         self.local_bytes = 0      # bytes this rank sent inside its node
+        self.sends: list[tuple[int, int, int, bool]] = []
 
     def node(self, global_rank: int) -> int:
         return global_rank // self.gpus_per_node
@@ -93,7 +97,10 @@ class Wire:
         if send.numel():
             g = group if group is not None else dist.group.WORLD
             nbytes = send.numel() * send.element_size()
-            if self.node(dist.get_global_rank(g, right)) != self.node(dist.get_rank()):
+            me, to = dist.get_rank(), dist.get_global_rank(g, right)
+            crossed = self.node(to) != self.node(me)
+            self.sends.append((me, to, nbytes, crossed))
+            if crossed:
                 self.cross_bytes += nbytes
                 self.cross_messages += 1
                 if self.slow_link is not None:
@@ -106,26 +113,38 @@ class Wire:
 # Chapter 03's ring phases with every message through a Wire (default: Wire(1),
 # which counts only), one message per chunk and step (segmented=False).
 
-def ring_reduce_scatter(tensor: torch.Tensor, group=None, wire: Wire | None = None):
+def ring_reduce_scatter(tensor: torch.Tensor, group=None, wire: Wire | None = None, *,
+                        order=None):
     """Chapter 03's ring reduce-scatter, every message through ``wire``.
 
     In place; returns chunk ``rank`` (of ``chunk_bounds(numel, p)``), which
-    then holds the sum over ``group``.
+    then holds the sum over ``group``. ``order``: the ring's rank order
+    (``helpers.collectives.ring_neighbours``; default: rank order).
     """
     wire = wire or Wire(1)
-    return collectives.ring_reduce_scatter(tensor, group, exchange=wire.exchange, segmented=False)
+    return collectives.ring_reduce_scatter(tensor, group, exchange=wire.exchange, segmented=False,
+                                           order=order)
 
 
-def ring_all_gather(tensor: torch.Tensor, group=None, wire: Wire | None = None):
+def ring_all_gather(tensor: torch.Tensor, group=None, wire: Wire | None = None, *, order=None):
     """Chapter 03's ring all-gather through ``wire``: chunk ``rank`` in, every chunk out."""
     wire = wire or Wire(1)
-    return collectives.ring_all_gather(tensor, group, exchange=wire.exchange)
+    return collectives.ring_all_gather(tensor, group, exchange=wire.exchange, order=order)
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None, wire: Wire | None = None):
-    """The flat ring: reduce-scatter then all-gather over all of ``group``. In place."""
+def ring_all_reduce(tensor: torch.Tensor, group=None, wire: Wire | None = None, *, order=None):
+    """The flat ring: reduce-scatter then all-gather over all of ``group``. In place.
+
+    ``order``: the ranks in the order the ring visits them. A topology-blind ring
+    (this one, or any hand-written one) hops between neighbours in that order, so
+    ``order=[0, 2, 1, 3]`` on 2 nodes x 2 makes every hop cross a node boundary,
+    where ``[0, 1, 2, 3]`` crosses at two of four. NCCL does not take its ring order
+    from the rank order: it builds each ring from the topology, node by node (chapter
+    07, section 2).
+    """
     wire = wire or Wire(1)
-    return collectives.ring_all_reduce(tensor, group, exchange=wire.exchange, segmented=False)
+    return collectives.ring_all_reduce(tensor, group, exchange=wire.exchange, segmented=False,
+                                       order=order)
 
 
 # --------------------------------------------------------------------------
