@@ -206,12 +206,30 @@ def _run_blocks(blocks: Sequence[nn.Module]) -> Callable:
     return run
 
 
+class _AttentionCore(nn.Module):
+    """``attn.core`` as a module of its own, the function selective recompute re-runs.
+
+    The checkpoint re-runs it in backward through its ``__call__``, so module hooks see
+    the recompute as this layer's: chapter 06's ``SavedTensorCounter`` attributes what
+    the re-run saves to ``blocks.i.attn.recomputed_core`` rather than to no module at
+    all (the attention core is a method, and in backward no module of the block is
+    running). It has no parameters or buffers: names and state_dict do not change."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_attn", attn)   # a plain reference, not a submodule
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return type(self._attn).core(self._attn, q, k, v)
+
+
 def remove_recompute(model: GPT) -> GPT:
-    """Undo ``apply_recompute``: drop the instance attributes it set."""
+    """Undo ``apply_recompute``: drop the instance attributes and the module it set."""
     for module in [model, *model.blocks, *(b.attn for b in model.blocks)]:
         for name in ("forward", "core"):
             if name in module.__dict__:
                 delattr(module, name)
+        module._modules.pop("recomputed_core", None)
     return model
 
 
@@ -241,7 +259,8 @@ def apply_recompute(model: GPT, mode: str = "full", *, segments: int | None = No
             if attn.use_sdpa:
                 raise ValueError("selective recompute of attn.core needs attention='manual'; "
                                  "the fused sdpa kernel already stores no score matrix")
-            attn.core = functools.partial(ckpt, type(attn).core.__get__(attn))
+            attn.recomputed_core = _AttentionCore(attn)
+            attn.core = functools.partial(ckpt, attn.recomputed_core)
     elif mode == "full":
         for block in model.blocks:
             block.forward = functools.partial(ckpt, type(block).forward.__get__(block))

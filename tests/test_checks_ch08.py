@@ -105,6 +105,73 @@ class RowSwapped(nn.Module):
         return g(F.linear(x, self.weight), self.group) + self.bias
 
 
+class GIgnoresGroup(torch.autograd.Function):
+    # Plausible mistake: g's all-reduce without group= (right in the default group only).
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class FIgnoresGroup(torch.autograd.Function):
+    # Plausible mistake: f's backward all-reduce without group=.
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad, None
+
+
+class ColumnWholeJob(nn.Module):
+    # Plausible mistake: t and r of the whole job (dist.get_world_size / get_rank), not
+    # of the tensor-parallel group.
+    def __init__(self, linear, group=None):
+        super().__init__()
+        self.group = group
+        n, r = linear.out_features // dist.get_world_size(), dist.get_rank()
+        self.weight = nn.Parameter(linear.weight.detach()[r * n:(r + 1) * n].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[r * n:(r + 1) * n].clone())
+
+    def forward(self, x):
+        from helpers.tp import f
+        return F.linear(f(x, self.group), self.weight, self.bias)
+
+
+class ColumnFWithoutGroup(nn.Module):
+    # Plausible mistake: the right slice, but f(x) without the layer's group.
+    def __init__(self, linear, group=None):
+        super().__init__()
+        self.group = group
+        n, r = linear.out_features // tp_size(group), tp_rank(group)
+        self.weight = nn.Parameter(linear.weight.detach()[r * n:(r + 1) * n].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[r * n:(r + 1) * n].clone())
+
+    def forward(self, x):
+        from helpers.tp import f
+        return F.linear(f(x), self.weight, self.bias)
+
+
+class ColumnFromCourse(nn.Module):
+    # Plausible shortcut: the course's own layer inside the exercise.
+    def __init__(self, linear, group=None):
+        super().__init__()
+        from helpers.tp import ColumnParallelLinear
+        self.inner = ColumnParallelLinear.from_dense(linear, group)
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+
+
 class TestChapter08(ChapterChecks):
     lab = "labs/08_tensor_parallel_basics_lab.ipynb"
     sol = "solutions/08_tensor_parallel_basics_solution.ipynb"
@@ -122,11 +189,21 @@ class TestChapter08(ChapterChecks):
         Wrong("f_g", {"ReduceFromTP": GAllReducesInPlace}, "g all-reduces its input in place",
               says="changed its input"),
         Wrong("parallel_layers", {"ColumnParallelLinear": ColumnHalves},
-              "column slice hard-coded to halves", says="12 / 3"),
+              "column slice hard-coded to halves", says="12 / 1"),
         Wrong("parallel_layers", {"RowParallelLinear": RowSwapped},
               "row layer slices rows", says="input columns"),
         Wrong("parallel_layers", {"RowParallelLinear": RowBiasOnEveryRank},
               "row-parallel bias added on every rank", says="bias on every rank"),
         Wrong("parallel_layers", {"ColumnParallelLinear": ColumnWithoutF},
               "column-parallel without f", says="pass x through f"),
+        Wrong("f_g", {"ReduceFromTP": GIgnoresGroup}, "g's all-reduce without group=",
+              says="summed over all 4 ranks.*group=group"),
+        Wrong("f_g", {"CopyToTP": FIgnoresGroup}, "f's all-reduce without group=",
+              says="summed the gradient over all 4 ranks.*group=group"),
+        Wrong("parallel_layers", {"ColumnParallelLinear": ColumnWholeJob},
+              "t and r of the whole job, not of the group", says="not from the whole job"),
+        Wrong("parallel_layers", {"ColumnParallelLinear": ColumnFWithoutGroup},
+              "f without the layer's group", says=r"f\(x, self.group\)"),
+        Wrong("parallel_layers", {"ColumnParallelLinear": ColumnFromCourse},
+              "the course's own ColumnParallelLinear inside", says="course's own answer"),
     ]

@@ -42,6 +42,40 @@ def _mlp_swapped(block, group=None):
     return tp
 
 
+def _mlp_gathers_and_splits(block, group=None):
+    # Plausible detour: the MLP's 4h activation gathered whole (gather_output=True) and
+    # split again by the row layer (input_is_parallel=False): right numbers, 2 extra
+    # collectives of the largest activation.
+    tp = copy.deepcopy(block)
+    tp.attn = ParallelSelfAttention(
+        block.attn, group, c_attn=ColumnParallelLinear.from_dense(block.attn.c_attn, group, parts=3),
+        c_proj=RowParallelLinear.from_dense(block.attn.c_proj, group))
+    tp.mlp.c_fc = ColumnParallelLinear.from_dense(block.mlp.c_fc, group, gather_output=True)
+    tp.mlp.c_proj = RowParallelLinear.from_dense(block.mlp.c_proj, group, input_is_parallel=False)
+    return tp
+
+
+def _block_ignores_group(block, group=None):
+    # Plausible mistake: the layers built without the group (split over the whole job).
+    return _qkv_by_heads(block, None)
+
+
+def _qkv_by_heads(block, group):
+    tp = copy.deepcopy(block)
+    tp.attn = ParallelSelfAttention(
+        block.attn, group, c_attn=ColumnParallelLinear.from_dense(block.attn.c_attn, group, parts=3),
+        c_proj=RowParallelLinear.from_dense(block.attn.c_proj, group))
+    tp.mlp.c_fc = ColumnParallelLinear.from_dense(block.mlp.c_fc, group)
+    tp.mlp.c_proj = RowParallelLinear.from_dense(block.mlp.c_proj, group)
+    return tp
+
+
+def _block_from_course(block, group=None):
+    # Plausible shortcut: the chapter's one-line helper.
+    from helpers.tp import tensor_parallel_block
+    return tensor_parallel_block(block, group)
+
+
 def _loss(logits, targets, group=None, ignore_index=-100, *, shift="global", offset=True,
           drop_ignored=True):
     """The vocab-parallel loss with one of its steps varied, for the wrong answers."""
@@ -92,10 +126,32 @@ def _loss_gathered(logits, targets, group=None, ignore_index=-100):
     return F.cross_entropy(torch.cat(parts, -1), targets, ignore_index=ignore_index)
 
 
+def _loss_ignores_group(logits, targets, group=None, ignore_index=-100):
+    # Plausible mistake: every collective in the default group, the rank from the job.
+    return _loss(logits, targets, None, ignore_index)
+
+
+def _loss_all_reduce_gather(logits, targets, group=None, ignore_index=-100):
+    # Plausible detour: the whole logits rebuilt by an all-reduce of a zero-padded copy
+    # (no all_gather called), then the dense loss.
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    n = logits.size(-1)
+    whole = logits.new_zeros(logits.size(0), n * t)
+    whole[:, r * n:(r + 1) * n] = logits
+    dist.all_reduce(whole, group=group)
+    return F.cross_entropy(whole, targets, ignore_index=ignore_index)
+
+
+def _loss_from_course(logits, targets, group=None, ignore_index=-100):
+    # Plausible shortcut: the chapter's own vocab-parallel loss.
+    from helpers.tp import vocab_parallel_cross_entropy
+    return vocab_parallel_cross_entropy(logits, targets, group, ignore_index)
+
+
 class TestChapter09(ChapterChecks):
     lab = "labs/09_tp_in_transformer_lab.ipynb"
     sol = "solutions/09_tp_in_transformer_solution.ipynb"
-    checks = {"parallelize_block": Check(ch09.check_parallelize_block),
+    checks = {"parallelize_block": Check(ch09.check_parallelize_block, slow=True),
               "vocab_parallel_loss": Check(ch09.check_vocab_parallel_loss, slow=True)}
     wrong = [
         Wrong("parallelize_block", _qkv_split_contiguously, "q, k, v split contiguously",
@@ -111,4 +167,16 @@ class TestChapter09(ChapterChecks):
               says="-100"),
         Wrong("vocab_parallel_loss", _loss_gathered, "all-gather then the dense loss",
               says="all_gather"),
+        Wrong("parallelize_block", _mlp_gathers_and_splits,
+              "MLP gathers its 4h activation and splits it again", says="all_gather"),
+        Wrong("parallelize_block", _block_ignores_group, "layers built without the group",
+              says="Pass `group` to every split layer"),
+        Wrong("parallelize_block", _block_from_course, "the chapter's tensor_parallel_block",
+              says="course's own answer"),
+        Wrong("vocab_parallel_loss", _loss_ignores_group, "collectives without group=",
+              says="pass group=group"),
+        Wrong("vocab_parallel_loss", _loss_all_reduce_gather,
+              "the whole logits rebuilt by an all-reduce", says="rebuilds the whole logits"),
+        Wrong("vocab_parallel_loss", _loss_from_course, "the chapter's own loss",
+              says="course's own answer"),
     ]

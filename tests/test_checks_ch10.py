@@ -30,7 +30,8 @@ def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None, batched=True):
     """A ring forward whose direction, bookkeeping, masking and way of posting the
     transfer (one batch_isend_irecv, or a lone isend and irecv) the answers vary."""
     import torch.distributed as dist
-    cp, rank = dist.get_world_size(), dist.get_rank()
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     seq, kv = q.size(-2) * cp, torch.stack([k, v])
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
@@ -38,11 +39,12 @@ def _ring(q, k, v, *, to, frm, owner_of, mask=True, group=None, batched=True):
         reqs = []
         if step < cp - 1:
             nxt = torch.empty_like(kv)
+            dst, src = glob(to(rank, cp)), glob(frm(rank, cp))
             if batched:
-                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, to(rank, cp)),
-                                               dist.P2POp(dist.irecv, nxt, frm(rank, cp))])
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, dst, group),
+                                               dist.P2POp(dist.irecv, nxt, src, group)])
             else:
-                reqs = [dist.isend(kv, to(rank, cp)), dist.irecv(nxt, frm(rank, cp))]
+                reqs = [dist.isend(kv, dst, group), dist.irecv(nxt, src, group)]
         m = causal_mask(positions(seq, cp, rank), positions(seq, cp, owner_of(rank, step, cp)))
         if mask is False:
             m = torch.ones_like(m)
@@ -60,35 +62,72 @@ def _ring_batched(q, k, v, group=None):
     # Right: each step's send and receive as one batch_isend_irecv (the form chapter 03
     # teaches, nccl's): the sends inside the batch are counted like lone ones.
     return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
-                 owner_of=lambda r, s, p: (r - s) % p)
+                 owner_of=lambda r, s, p: (r - s) % p, group=group)
 
 
 def _ring_lone(q, k, v, group=None):
     # Right on gloo: a lone isend and irecv per step (under nccl's rules, a hang).
     return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
-                 owner_of=lambda r, s, p: (r - s) % p, batched=False)
+                 owner_of=lambda r, s, p: (r - s) % p, batched=False, group=group)
 
 
 def _ring_without_mask(q, k, v, group=None):
     # Plausible mistake: every block attended in full (no causal mask).
     return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
-                 owner_of=lambda r, s, p: (r - s) % p, mask=False)
+                 owner_of=lambda r, s, p: (r - s) % p, mask=False, group=group)
 
 
 def _ring_backwards(q, k, v, group=None):
     # Plausible mistake: blocks sent to rank - 1 (received from rank + 1) but their
     # owner still taken as rank - s: right at 2 ranks only.
     return _ring(q, k, v, to=lambda r, p: (r - 1) % p, frm=lambda r, p: (r + 1) % p,
-                 owner_of=lambda r, s, p: (r - s) % p)
+                 owner_of=lambda r, s, p: (r - s) % p, group=group)
+
+
+def _ring_ignores_group(q, k, v, group=None):
+    # Plausible mistake: the ring run over the whole job, whatever group it is given.
+    return _ring(q, k, v, to=lambda r, p: (r + 1) % p, frm=lambda r, p: (r - 1) % p,
+                 owner_of=lambda r, s, p: (r - s) % p, group=None)
+
+
+def _ring_group_ranks_posted_globally(q, k, v, group=None):
+    # Plausible mistake: neighbours numbered inside the group, posted as if they were
+    # ranks of the job (no get_global_rank, no group=).
+    import torch.distributed as dist
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq, kv = q.size(-2) * cp, torch.stack([k, v])
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for step in range(cp):
+        reqs = []
+        if step < cp - 1:
+            nxt = torch.empty_like(kv)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + 1) % cp),
+                                           dist.P2POp(dist.irecv, nxt, (rank - 1) % cp)])
+        m = causal_mask(positions(seq, cp, rank), positions(seq, cp, (rank - step) % cp))
+        if m.any():
+            o, l = block_attention(q, kv[0], kv[1], m)
+            out, lse = merge_partials(out, lse, o, l)
+        for r in reqs:
+            r.wait()
+        if reqs:
+            kv = nxt
+    return out
+
+
+def _ring_from_course(q, k, v, group=None):
+    # Plausible shortcut: the course's own ring forward.
+    from helpers.sp import ring_forward
+    return ring_forward(q, k, v, group)[0]
 
 
 def _gather_then_attend(q, k, v, group=None):
     # Plausible shortcut: all-gather K/V, then one masked attention (right output, no ring).
     import torch.distributed as dist
-    cp, rank = dist.get_world_size(), dist.get_rank()
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     ks, vs = [torch.empty_like(k) for _ in range(cp)], [torch.empty_like(v) for _ in range(cp)]
-    dist.all_gather(ks, k)
-    dist.all_gather(vs, v)
+    dist.all_gather(ks, k, group=group)
+    dist.all_gather(vs, v, group=group)
     seq = q.size(-2) * cp
     m = causal_mask(positions(seq, cp, rank), torch.arange(seq))
     return block_attention(q, torch.cat(ks, -2), torch.cat(vs, -2), m)[0]
@@ -98,15 +137,16 @@ def _send_to_everyone(q, k, v, group=None):
     # Plausible non-ring: every rank sends its block straight to every other rank
     # (cp - 1 sends, the same bytes as the ring), then attends block by block.
     import torch.distributed as dist
-    cp, rank = dist.get_world_size(), dist.get_rank()
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     seq, kv = q.size(-2) * cp, torch.stack([k, v])
     blocks, reqs = {rank: kv}, []
     for other in range(cp):
         if other != rank:
             blocks[other] = torch.empty_like(kv)
-            reqs += [dist.P2POp(dist.isend, kv, other),
-                     dist.P2POp(dist.irecv, blocks[other], other)]
-    for r in dist.batch_isend_irecv(reqs):
+            reqs += [dist.P2POp(dist.isend, kv, glob(other), group),
+                     dist.P2POp(dist.irecv, blocks[other], glob(other), group)]
+    for r in (dist.batch_isend_irecv(reqs) if reqs else []):
         r.wait()
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
@@ -136,6 +176,13 @@ class TestChapter10(ChapterChecks):
         Wrong("ring", _gather_then_attend, "all-gather then attend", says="all_gather"),
         Wrong("ring", _send_to_everyone, "each block sent straight to every rank",
               says="same neighbour"),
+        Wrong("ring", _ring_ignores_group, "the ring over the whole job, group ignored",
+              says="outside this ring"),
+        Wrong("ring", _ring_group_ranks_posted_globally,
+              "group ranks posted as ranks of the job", says="get_global_rank",
+              kwargs={"timeout": 4}),
+        Wrong("ring", _ring_from_course, "the course's own ring_forward",
+              says="course's own answer"),
         Wrong("ring", _ring_lone, "lone isend + irecv under NCCL's rules",
               says=r"(?s)hung: .*two-rank communicator", kwargs={"timeout": 3}, rules=True),
     ]

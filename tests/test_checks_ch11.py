@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from checks_harness import ChapterChecks, Check, Wrong
+from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers.checks import ch11
 from helpers.model import lm_loss
 
@@ -143,6 +143,43 @@ def _recv_before_send(stage, x, y):
     return None
 
 
+def _course_partition(costs, k):  # the chapter's own answer, one line
+    from helpers.pipeline import partition
+    return partition(costs, k)
+
+
+def _lone_send_recv(stage, x, y):  # right: the loop with lone send and recv, in order
+    return _pipeline(stage, x, y)
+
+
+def _loss_sent_to_rank_0(stage, x, y):
+    """Right numbers, one message too many: the last stage also sends its loss to rank 0
+    (to print it there)."""
+    loss = _pipeline(stage, x, y)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    if rank == p - 1:
+        dist.send(torch.tensor([loss]), dst=0)
+    elif rank == 0:
+        dist.recv(torch.empty(1), src=p - 1)
+    return loss
+
+
+def _loss_broadcast(stage, x, y):
+    """Right numbers, a collective the pipeline does not need: the loss broadcast to
+    every rank from the last."""
+    loss = _pipeline(stage, x, y)
+    p = dist.get_world_size()
+    t = torch.tensor([loss if loss is not None else 0.0])
+    dist.broadcast(t, src=p - 1)
+    return loss
+
+
+def _course_executor(stage, x, y):  # the chapter's executor, one line
+    from helpers.pipeline import gpipe
+    from helpers.pipeline.executor import pipeline_step
+    return pipeline_step([stage], gpipe(dist.get_world_size(), 1), x, y).loss
+
+
 class TestChapter11(ChapterChecks):
     lab, sol = "labs/11_pipeline_basics_lab.ipynb", "solutions/11_pipeline_basics_solution.ipynb"
     # (the run_stage stub, unlike most, fails on the ranks: its test starts them too)
@@ -171,4 +208,13 @@ class TestChapter11(ChapterChecks):
         # a loop that hangs is stopped and reported (short timeout to keep the suite fast)
         Wrong("run_stage", _recv_before_send, "receives before it sends: deadlock",
               says=r"hung: rank\(s\) \[0, 1, 2\]", kwargs={"timeout": 3}),
+        Wrong("balanced_partition", _course_partition, "the course's partition",
+              says="course's own answer"),
+        Wrong("run_stage", _loss_sent_to_rank_0, "the loss also sent to rank 0",
+              says=r"rank 2 sent .*4 B to rank 0"),
+        Wrong("run_stage", _loss_broadcast, "the loss broadcast to every rank",
+              says=r"called \['broadcast'\]"),
+        Wrong("run_stage", _course_executor, "the course's pipeline_step",
+              says="course's own answer"),
     ]
+    right = [Right("run_stage", _lone_send_recv, "lone send and recv in pipeline order")]

@@ -48,13 +48,31 @@ def warmup_uncapped(p, m):
 
 
 def _prints_schedule(p, m):  # builds the schedule, forgets to return it
-    from helpers.pipeline import one_f_one_b
-    print(one_f_one_b(p, m))
+    print(exercise(SOL, "one_f_one_b")(p, m))
 
 
 def _flat(p, m):  # one list for all ranks
+    return [a for row in exercise(SOL, "one_f_one_b")(p, m) for a in row]
+
+
+def _course_1f1b(p, m):  # the chapter's own generator, one line
     from helpers.pipeline import one_f_one_b
-    return [a for row in one_f_one_b(p, m) for a in row]
+    return one_f_one_b(p, m)
+
+
+def _course_interleaved(p, m):  # the chapter's interleaved generator with v = 1
+    from helpers.pipeline import interleaved_1f1b
+    return interleaved_1f1b(p, m, 1)
+
+
+def _course_zb(p, m):  # the chapter's own ZB-H1
+    from helpers.pipeline import zb_h1
+    return zb_h1(p, m)
+
+
+def _course_bubble(p, m, v=1):  # the chapter's own formula
+    from helpers.pipeline import bubble_formula
+    return bubble_formula(p, m, v)
 
 
 def _w_after_b(p, m):
@@ -120,6 +138,12 @@ class TestChapter12(ChapterChecks):
         Wrong("one_f_one_b on ranks", gpipe, "GPipe order",
               says=r"measured peak stash \[4, 4, 4\]"),
         Wrong("zb_h1", _w_after_b, "W right after its B", says="W runs right after its B"),
+        Wrong("one_f_one_b", _course_1f1b, "the course's one_f_one_b", says="course's own answer"),
+        Wrong("one_f_one_b", _course_interleaved, "the course's interleaved_1f1b, v = 1",
+              says="course's own answer"),
+        Wrong("zb_h1", _course_zb, "the course's zb_h1", says="course's own answer"),
+        Wrong("bubble_fraction", _course_bubble, "the course's bubble_formula",
+              says="course's own answer"),
         Wrong("zb_h1", _all_w_last, "every W postponed to the end", says="keeps 1F1B's memory"),
         Wrong("zb_h1", _w_before_b, "W before its B",
               says="comes before its input-gradient backward"),

@@ -473,6 +473,45 @@ def test_partition_under_a_memory_limit():
         partition(8, 4, layer_memory=[1] * 8)
 
 
+def test_a_stash_that_fills_the_limit_exactly_fits():
+    """The limit is compared with a stated relative tolerance (partition.RTOL): sums of
+    the same layer bytes in another order differ in the last bits, and without it a split
+    whose stash fills the limit exactly was refused and a slower one returned."""
+    from helpers.memory import activation_bytes_per_layer
+    from helpers.pipeline.partition import RTOL
+
+    layer = activation_bytes_per_layer(1024, 8, 768, 12, recompute="selective") / 1e9
+    mem = [layer] * 12
+    # chapter 11's case: 8 layers' worth of stash fits stage 2's 4 layers x 2 micro-batches
+    bounds = partition(12, 4, layer_memory=mem, memory_limit=8 * layer)
+    assert [len(r) for r in bounds] == [2, 2, 4, 4]
+    assert max(stash_memory(mem, bounds)) == pytest.approx(8 * layer, rel=1e-12)
+    # just outside the tolerance it no longer fits, and the split changes
+    tighter = partition(12, 4, layer_memory=mem, memory_limit=8 * layer * (1 - 10 * RTOL))
+    assert [len(r) for r in tighter] != [2, 2, 4, 4]
+    assert max(stash_memory(mem, tighter)) <= 8 * layer
+    # any split's own stash, computed by the caller's sums, is always a limit it fits
+    import random
+    rng = random.Random(5)
+    for _ in range(100):
+        n, k = rng.randint(2, 10), rng.randint(1, 4)
+        k = min(k, n)
+        mem = [rng.uniform(0.01, 1.0) for _ in range(n)]
+        want = partition([1.0] * n, k)
+        limit = max(stash_memory(mem, want))
+        assert max(stash_memory(mem, partition([1.0] * n, k, layer_memory=mem,
+                                               memory_limit=limit))) <= limit * (1 + RTOL)
+        assert partition([1.0] * n, k, layer_memory=mem, memory_limit=limit) == want
+
+
+def test_the_same_costs_in_any_unit_give_the_same_split():
+    """Ties are compared relative to the costs (RTOL), so seconds, milliseconds or FLOPs
+    give one split, broken by the stated rule (earlier stages lighter)."""
+    costs = [0.1, 0.2, 0.3, 0.3, 0.2, 0.1]
+    scaled = [c * 1e12 for c in costs]          # the same split in other units
+    assert partition(costs, 3) == partition(scaled, 3) == partition([1, 2, 3, 3, 2, 1], 3)
+
+
 def test_zb_h1_fills_the_drain_with_weight_gradients():
     """ZB-H1 (Qi et al. 2023, sec. 3.1) with T_F = T_B = T_W = 1: for m >= p the step is
     3m + (p-1)(T_F + T_B - T_W) units, a bubble of (p-1)/(3m+p-1), a third of 1F1B's idle

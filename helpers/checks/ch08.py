@@ -8,11 +8,15 @@ The learner writes
   ``nn.Module``s built from a dense ``nn.Linear`` that keep this rank's slice
   in ``.weight`` / ``.bias`` and use ``helpers.tp.f`` / ``g`` in forward.
 
-Every check runs on 3 and on 4 ranks (at 2, a slice hard-coded to halves or a
-ring run backwards looks right) in float64, against the dense computation in the
-same process. Float64 on both sides differs only by the order of a few
-additions (~1e-16 relative); the checks allow 1e-9 relative, while every
-mistake they name is off by O(1).
+Every check runs one launch of 4 ranks, twice over: first split into two
+tensor-parallel groups, rank 0 alone (t = 1) and ranks 1, 2, 3 (t = 3, whose ranks in
+the group are not their ranks in the job), with different data in each group; then the
+4 ranks as one group (t = 4). At t = 2 a slice hard-coded to halves looks right; in the
+default group only, a collective without ``group=`` or ``dist.get_rank()`` in place of
+the rank in the group gives the right numbers. In float64, against the dense
+computation in the same process: both sides differ only by the order of a few
+additions (~1e-16 relative); the checks allow 1e-9 relative, while every mistake they
+name is off by O(1).
 """
 
 from __future__ import annotations
@@ -22,9 +26,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers.checks import CheckFailed, on_ranks, passed
+from helpers.checks.course_answers import CourseAnswerUsed
 
 REL = 1e-9  # float64, only the summation order differs (see above)
-WORLDS = (3, 4)
+WORLD = 4
+LAYOUT = [[0], [1, 2, 3]]   # a lone rank (t = 1) and a group of 3 that is not ranks 0..2
+CASES = ("groups", "world")  # LAYOUT's groups, then the 4 ranks as one group
+# the course's own layers: the exercise is to write them (helpers/checks/course_answers.py)
+COURSE_LAYERS = ["helpers.tp.layers.ColumnParallelLinear", "helpers.tp.layers.RowParallelLinear"]
 
 
 def _close(a, b) -> bool:
@@ -32,17 +41,43 @@ def _close(a, b) -> bool:
         (a - b).abs().max().item() <= REL * max(b.abs().max().item(), 1.0)
 
 
-def _run_f_g(copy_to, reduce_from):
+def _groups(case: str):
+    """(group, its index, members) of this rank for ``case``: LAYOUT's groups, or the world."""
     import torch.distributed as dist
 
-    from helpers import rank_info
-    r = rank_info()
-    t = r.world_size
-    group = dist.group.WORLD
+    from helpers.checks.subgroups import split_world
+    if case == "groups":
+        return split_world(LAYOUT)
+    return dist.group.WORLD, 0, list(range(dist.get_world_size()))
+
+
+def _case_name(case: str, members: list, rank: int) -> str:
+    where = (f"{len(members)} rank(s) in one group" if case == "world" else
+             f"the group {members} of {{{', '.join(map(str, LAYOUT))}}}")
+    return f"{where}, rank {rank}"
+
+
+def _run_f_g(copy_to, reduce_from):
+    """Both cases on this rank: LAYOUT's groups (made first, by every rank), the world."""
+    import torch.distributed as dist
+
+    out = {}
+    split = _groups("groups")
+    for case, (group, index, members) in zip(CASES, (split, _groups("world"))):
+        out[case] = _one_f_g(copy_to, reduce_from, group, index, members)
+        out[case]["members"] = members
+    return out
+
+
+def _one_f_g(copy_to, reduce_from, group, index, members):
+    import torch.distributed as dist
+
+    r = dist.get_rank(group)   # the rank inside the group
+    t = len(members)
     # f: rank-dependent input and upstream gradient (f's output feeds this rank's own
     # slice, so its gradient differs per rank), so a missing or extra sum shows
-    x = torch.full((3,), float(r.rank + 1), dtype=torch.float64, requires_grad=True)
-    w = torch.full((3,), float(10 * (r.rank + 1)), dtype=torch.float64)
+    x = torch.full((3,), float(r + 1), dtype=torch.float64, requires_grad=True)
+    w = torch.full((3,), float(10 * (r + 1)), dtype=torch.float64)
     y = copy_to.apply(x, group)
     (y * w).sum().backward()
     f_out = (y.detach().clone(), x.grad.clone())
@@ -61,76 +96,110 @@ def _run_f_g(copy_to, reduce_from):
 
 
 def check_f_g(copy_to, reduce_from) -> None:
-    """On 3 and 4 ranks: rank r holds x = r + 1; f's upstream gradient is 10 (r + 1),
-    g's the same [1, 2, 3] on every rank. Mistakes it catches: f summing in forward;
-    f's backward not summing (or summing twice); g not summing in forward; g
-    all-reducing its input in place (the caller's tensor changes); g summing the
-    gradient in backward (t times too large); any exception as a CheckFailed."""
-    for world in WORLDS:
-        _check_f_g_on(copy_to, reduce_from, world)
-    passed(f"f: identity forward, all-reduce backward; g: all-reduce forward (its input "
-           f"untouched), identity backward ({' and '.join(map(str, WORLDS))} ranks)")
-
-
-def _check_f_g_on(copy_to, reduce_from, world: int) -> None:
-    res = on_ranks(_run_f_g, world, copy_to, reduce_from, what=f"f / g on {world} ranks",
+    """4 ranks, in two tensor-parallel groups ([0] and [1, 2, 3]) and then as one: rank r
+    of its group holds x = r + 1; f's upstream gradient is 10 (r + 1), g's the same
+    [1, 2, 3] on every rank. Mistakes it catches: f summing in forward; f's backward not
+    summing (or summing twice); g not summing in forward; g all-reducing its input in
+    place (the caller's tensor changes); g summing the gradient in backward (t times too
+    large); a collective without ``group=`` (it sums over all 4 ranks: named); any
+    exception as a CheckFailed."""
+    res = on_ranks(_run_f_g, WORLD, copy_to, reduce_from, what=f"f / g on {WORLD} ranks",
                    probe=lambda: (copy_to.forward(None, torch.ones(1), None),
                                   reduce_from.forward(None, torch.ones(1), None)))
-    x_sum = sum(out["x"] for out in res)
-    w_sum = sum(out["w"] for out in res)
+    for case in CASES:
+        _check_f_g_case([out[case] for out in res], case)
+    passed(f"f: identity forward, all-reduce backward; g: all-reduce forward (its input "
+           f"untouched), identity backward (groups of 1 and 3 ranks, and of {WORLD})")
+
+
+_NO_GROUP = ("pass group=group to the collective: without it the sum runs over every rank "
+             "of the job, not over the tensor-parallel group")
+
+
+def _check_f_g_case(res: list, case: str) -> None:
     for rank, out in enumerate(res):
-        case = f"{world} ranks, rank {rank}"
+        members = out["members"]
+        where = _case_name(case, members, rank)
+        x_sum = sum(res[m]["x"] for m in members)
+        w_sum = sum(res[m]["w"] for m in members)
+        x_all = sum(o["x"] for o in res)
+        w_all = sum(o["w"] for o in res)
         y, dx = out["f"]
-        if torch.equal(y, x_sum):
-            raise CheckFailed(f"{case}: f's forward summed x over ranks. f is the identity in "
+        if torch.equal(y, x_sum) and len(members) > 1:
+            raise CheckFailed(f"{where}: f's forward summed x over ranks. f is the identity in "
                               f"forward: x is already whole on every rank; the all-reduce belongs "
                               f"in its backward")
         if not torch.equal(y, out["x"]):
-            raise CheckFailed(f"{case}: f's forward should return x unchanged, got "
+            raise CheckFailed(f"{where}: f's forward should return x unchanged, got "
                               f"{y.tolist()} for x = {out['x'].tolist()}")
-        if torch.equal(dx, out["w"]):
-            raise CheckFailed(f"{case}: f's backward returned this rank's gradient only; "
+        if torch.equal(dx, out["w"]) and len(members) > 1:
+            raise CheckFailed(f"{where}: f's backward returned this rank's gradient only; "
                               f"x feeds every rank's slice, so dL/dx is the sum over ranks "
                               f"(all-reduce the gradient)")
         if not torch.equal(dx, w_sum):
-            raise CheckFailed(f"{case}: f's backward should give the sum of every rank's "
-                              f"gradient {w_sum.tolist()}, got {dx.tolist()}")
+            if case == "groups" and torch.equal(dx, w_all):
+                raise CheckFailed(f"{where}: f's backward summed the gradient over all "
+                                  f"{len(res)} ranks, {w_all.tolist()}, instead of the group's "
+                                  f"{w_sum.tolist()}: {_NO_GROUP}")
+            raise CheckFailed(f"{where}: f's backward should give the sum of the group's "
+                              f"gradients {w_sum.tolist()}, got {dx.tolist()}")
         z, dz = out["g"]
         if out["in_place"]:
-            raise CheckFailed(f"{case}: g's forward changed its input: an in-place all-reduce "
+            raise CheckFailed(f"{where}: g's forward changed its input: an in-place all-reduce "
                               f"of x overwrites the caller's tensor (which autograd may have "
                               f"saved for backward). Sum a copy and return that")
-        if torch.equal(z, out["x"]):
-            raise CheckFailed(f"{case}: g's forward returned this rank's partial sum; it must "
+        if torch.equal(z, out["x"]) and len(members) > 1:
+            raise CheckFailed(f"{where}: g's forward returned this rank's partial sum; it must "
                               f"all-reduce it (y = sum over ranks of the partials)")
         if not torch.equal(z, x_sum):
-            raise CheckFailed(f"{case}: g's forward should give {x_sum.tolist()}, got "
+            if case == "groups" and torch.equal(z, x_all):
+                raise CheckFailed(f"{where}: g's forward summed over all {len(res)} ranks, "
+                                  f"{x_all.tolist()}, instead of the group's {x_sum.tolist()}: "
+                                  f"{_NO_GROUP}")
+            raise CheckFailed(f"{where}: g's forward should give {x_sum.tolist()}, got "
                               f"{z.tolist()}")
-        if torch.equal(dz, world * out["w_g"]):
-            raise CheckFailed(f"{case}: g's backward all-reduced the gradient. The gradient "
+        if torch.equal(dz, out["t"] * out["w_g"]) and len(members) > 1:
+            raise CheckFailed(f"{where}: g's backward all-reduced the gradient. The gradient "
                               f"of each partial sum is the output's gradient itself: identity")
         if not torch.equal(dz, out["w_g"]):
-            raise CheckFailed(f"{case}: g's backward should return the gradient unchanged, "
+            raise CheckFailed(f"{where}: g's backward should return the gradient unchanged, "
                               f"got {dz.tolist()} for {out['w_g'].tolist()}")
 
 
 def _run_layers(column_cls, row_cls):
+    """Both cases on this rank (LAYOUT's groups, then the world), the course's own layers
+    refused while the learner's run."""
+    from helpers.checks.course_answers import refusing
+
+    out = {}
+    split = _groups("groups")
+    try:
+        with refusing(COURSE_LAYERS, "your layer"):
+            for case, (group, index, members) in zip(CASES, (split, _groups("world"))):
+                out[case] = _one_layers(column_cls, row_cls, group, index, members)
+                out[case]["members"] = members
+    except CourseAnswerUsed as exc:
+        return {"refused": str(exc)}
+    return out
+
+
+def _one_layers(column_cls, row_cls, group, index, members):
     import torch.distributed as dist
 
-    from helpers import rank_info
     from helpers.tp import gather_last
-    r = rank_info()
-    group = dist.group.WORLD
-    torch.manual_seed(0)  # same dense layers and data on every rank
+    t = len(members)
+    torch.manual_seed(0)  # same dense layers on every rank of every group
     up, down = nn.Linear(6, 12).double(), nn.Linear(12, 6).double()   # 12 = 3 x 4
     with torch.no_grad():  # non-zero biases, so a bias added t times shows
         up.bias.normal_()
         down.bias.normal_()
-    x = torch.randn(5, 6, dtype=torch.float64)
-    dy = torch.randn(5, 6, dtype=torch.float64)
+    # data of this group: another group's, mixed in by a collective without group=, shows
+    gen = torch.Generator().manual_seed(100 + index)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=gen)
+    dy = torch.randn(5, 6, dtype=torch.float64, generator=gen)
     col, row = column_cls(up, group), row_cls(down, group)
     out = {"col_weight": tuple(col.weight.shape), "row_weight": tuple(row.weight.shape)}
-    part = 12 // r.world_size
+    part = 12 // t
     if (out["col_weight"], out["row_weight"]) != ((part, 6), (6, part)):
         return out  # wrong slices: the shapes say why; running them would only crash
     # Column alone: this rank's slice of the outputs, gathered here for the comparison
@@ -145,7 +214,7 @@ def _run_layers(column_cls, row_cls):
     grads = {}
     for name, mod, dim in (("col.weight", col, 0), ("col.bias", col, 0), ("row.weight", row, 1)):
         p = getattr(mod, name.split(".")[1])
-        parts = [torch.empty_like(p.grad) for _ in range(r.world_size)]
+        parts = [torch.empty_like(p.grad) for _ in range(t)]
         dist.all_gather(parts, p.grad.contiguous(), group=group)
         grads[name] = torch.cat(parts, dim=dim)
     grads["row.bias"] = row.bias.grad
@@ -164,51 +233,66 @@ def _run_layers(column_cls, row_cls):
 
 
 def check_parallel_layers(column_cls, row_cls) -> None:
-    """On 3 and 4 ranks: Linear(6, 12) column-parallel, GeLU, Linear(12, 6)
-    row-parallel, float64. Mistakes it catches: a slice hard-coded to halves or to
-    t = 2 (shapes and values at t = 3 and 4); rows and columns swapped; the bias
-    sliced in the row layer or added on every rank before the sum; x not passed
-    through f (wrong input gradient); any weight gradient off; exceptions."""
-    for world in WORLDS:
-        _check_layers_on(column_cls, row_cls, world)
-    passed(f"column- then row-parallel MLP on {' and '.join(map(str, WORLDS))} ranks equals "
+    """4 ranks, in two tensor-parallel groups ([0] and [1, 2, 3]: t = 1 and 3) with
+    different data in each, then as one group (t = 4): Linear(6, 12) column-parallel,
+    GeLU, Linear(12, 6) row-parallel, float64. Mistakes it catches: a slice hard-coded to
+    halves or to one t (shapes and values at t = 1, 3 and 4); rows and columns swapped;
+    the bias sliced in the row layer or added on every rank before the sum; x not passed
+    through f (wrong input gradient); the group ignored (slices for the whole job, or f
+    and g summing over all 4 ranks: named); any weight gradient off; the course's own
+    ``helpers.tp`` layers in place of yours (refused by name); exceptions."""
+    res = on_ranks(_run_layers, WORLD, column_cls, row_cls,
+                   what=f"the parallel layers on {WORLD} ranks",
+                   probe=lambda: (column_cls(nn.Linear(2, 2), None),
+                                  row_cls(nn.Linear(2, 2), None)))
+    if "refused" in res[0]:
+        raise CheckFailed(res[0]["refused"])
+    for case in CASES:
+        _check_layers_case([out[case] for out in res], case)
+    passed(f"column- then row-parallel MLP in groups of 1 and 3 ranks and of {WORLD} equals "
            f"the dense MLP: output, input gradient and every weight gradient (float64)")
 
 
-def _check_layers_on(column_cls, row_cls, world: int) -> None:
-    res = on_ranks(_run_layers, world, column_cls, row_cls,
-                   what=f"the parallel layers on {world} ranks",
-                   probe=lambda: (column_cls(nn.Linear(2, 2), None),
-                                  row_cls(nn.Linear(2, 2), None)))
-    part = 12 // world
+def _check_layers_case(res: list, case: str) -> None:
     for rank, out in enumerate(res):
-        case = f"{world} ranks, rank {rank}"
+        members = out["members"]
+        world = len(members)
+        case_name = _case_name(case, members, rank)
+        part = 12 // world
+        hint = ("" if case == "world" else
+                f" (this group has {world} rank(s): take t and r from the group, "
+                f"tp_size(group) and tp_rank(group), not from the whole job)")
         if out["col_weight"] != (part, 6):
-            raise CheckFailed(f"{case}: ColumnParallelLinear(Linear(6, 12)).weight has shape "
-                              f"{out['col_weight']}; on {world} ranks it keeps 12 / {world} "
-                              f"output rows: {(part, 6)}")
+            raise CheckFailed(f"{case_name}: ColumnParallelLinear(Linear(6, 12)).weight has "
+                              f"shape {out['col_weight']}; on {world} rank(s) it keeps 12 / "
+                              f"{world} output rows: {(part, 6)}{hint}")
         if out["row_weight"] != (6, part):
-            raise CheckFailed(f"{case}: RowParallelLinear(Linear(12, 6)).weight has shape "
+            raise CheckFailed(f"{case_name}: RowParallelLinear(Linear(12, 6)).weight has shape "
                               f"{out['row_weight']}; it keeps 12 / {world} input columns: "
-                              f"{(6, part)}")
+                              f"{(6, part)}{hint}")
         want = out["want"]
+        group_hint = ("" if case == "world" else
+                      " Inside a group, f and g need the layer's group (f(x, self.group)): "
+                      "without it they sum over every rank of the job, other groups' data "
+                      "included.")
         if not _close(out["col_out"], want["col_out"]):
-            raise CheckFailed(f"{case}: the column-parallel outputs, gathered in rank order, "
-                              f"differ from the dense layer's: rank r keeps rows "
-                              f"[r * out/t, (r+1) * out/t) of weight and bias")
+            raise CheckFailed(f"{case_name}: the column-parallel outputs, gathered in rank "
+                              f"order, differ from the dense layer's: rank r keeps rows "
+                              f"[r * out/t, (r+1) * out/t) of weight and bias{hint}")
         y, dx = out["mlp"]
-        if _close(y, want["y"] + (world - 1) * want["bias"]):
-            raise CheckFailed(f"{case}: the MLP output is off by exactly {world - 1} extra "
+        if world > 1 and _close(y, want["y"] + (world - 1) * want["bias"]):
+            raise CheckFailed(f"{case_name}: the MLP output is off by exactly {world - 1} extra "
                               f"biases: the row-parallel layer added its bias on every rank "
                               f"before the all-reduce. Add it once, after g")
         if not _close(y, want["y"]):
-            raise CheckFailed(f"{case}: the split MLP's output differs from the dense MLP's "
-                              f"(max error {(y - want['y']).abs().max().item():.3g})")
+            raise CheckFailed(f"{case_name}: the split MLP's output differs from the dense "
+                              f"MLP's (max error {(y - want['y']).abs().max().item():.3g})."
+                              f"{group_hint}")
         if not _close(dx, want["dx"]):
-            raise CheckFailed(f"{case}: the input gradient differs from the dense one: does "
-                              f"the column-parallel layer pass x through f (all-reduce in "
-                              f"backward)?")
+            raise CheckFailed(f"{case_name}: the input gradient differs from the dense one: "
+                              f"does the column-parallel layer pass x through f (all-reduce "
+                              f"in backward)?{group_hint}")
         for name, g in out["grads"].items():
             if not _close(g, want["grads"][name]):
-                raise CheckFailed(f"{case}: the gradient of {name} (gathered over ranks) "
-                                  f"differs from the dense layer's")
+                raise CheckFailed(f"{case_name}: the gradient of {name} (gathered over the "
+                                  f"group) differs from the dense layer's")

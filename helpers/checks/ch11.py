@@ -7,6 +7,12 @@ import itertools
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
+from helpers.checks.course_answers import CourseAnswerUsed, refusing
+
+# the chapter's own answers (helpers/checks/course_answers.py)
+COURSE_PARTITION = ["helpers.pipeline.partition.partition"]
+COURSE_STAGE = ["helpers.pipeline.executor.pipeline_step",
+                "helpers.pipeline.plain_1f1b.one_f_one_b_step"]
 from helpers.tolerance import within_fp32_noise
 
 # (layer costs, stages): equal layers, a heavy last layer (an LM head), a heavy first
@@ -53,11 +59,13 @@ def check_balanced_partition(balanced_partition) -> None:
     * non-contiguous or repeated layers, wrong number of stages: named;
     * returns None, or not ranges/lists of indices: named;
     * no error, or another exception than ValueError, for fewer layers than stages;
-    * raises on a valid case: named, with the case.
+    * raises on a valid case: named, with the case;
+    * calls the course's ``helpers.pipeline.partition``: refused by name.
     """
     for costs, k in PARTITION_CASES:
-        got = attempt(balanced_partition, list(costs), k,
-                      what=f"balanced_partition({costs}, {k})")
+        with refusing(COURSE_PARTITION, "balanced_partition", "the split is the exercise"):
+            got = attempt(balanced_partition, list(costs), k,
+                          what=f"balanced_partition({costs}, {k})")
         try:
             stages = [range(r.start, r.stop) if isinstance(r, range) else range(r[0], r[-1] + 1)
                       for r in got]
@@ -76,7 +84,10 @@ def check_balanced_partition(balanced_partition) -> None:
                               f"costs {worst:g}, but a split with slowest stage {best:g} "
                               f"exists (a greedy 'fill up to the average' split can miss it)")
     try:
-        got = balanced_partition([1.0, 1.0], 3)
+        with refusing(COURSE_PARTITION, "balanced_partition", "the split is the exercise"):
+            got = balanced_partition([1.0, 1.0], 3)
+    except CourseAnswerUsed:
+        raise
     except ValueError:
         pass
     except NotImplementedError as exc:
@@ -119,14 +130,22 @@ def _stage_loop_rank(run_stage, n_layer):
     # the model lands on the rank's device (build_model's default): the batch goes there too
     x, y = (t.to(info.device) for t in _batch())
     # the checks' spy: a send to a rank that does not exist (a last stage hard-coded for
-    # another world size) is named at once; gloo would wait for it until the timeout
-    with communication_spy(keep_values=False):
-        loss = run_stage(stage, x, y)
+    # another world size) is named at once; gloo would wait for it until the timeout.
+    # It also records every send and collective, so that only the pipeline's own
+    # messages pass: one activation forward, one gradient back.
+    try:
+        with communication_spy(keep_values=False) as spy, \
+                refusing(COURSE_STAGE, "run_stage", "the stage loop is the exercise"):
+            loss = run_stage(stage, x, y)
+    except CourseAnswerUsed as exc:
+        return {"refused": str(exc)}
     # the lab states a float on the last stage, None elsewhere: keep the type's name
     kind = type(loss).__name__
     value = float(loss) if isinstance(loss, (float, int, torch.Tensor)) and \
         getattr(loss, "numel", lambda: 1)() == 1 else None
-    return (kind, value), chunk_grads([stage])
+    sent = [(dst, nbytes) for dst, nbytes, _ in spy.sends]
+    return (kind, value), chunk_grads([stage]), sent, list(spy.collectives), \
+        x.numel() * stage.n_embd * 4
 
 
 _HINTS = {"NoneType": "a tensor was None: the received activation needs requires_grad_() "
@@ -150,14 +169,43 @@ def check_run_stage(run_stage, timeout: float = 30.0) -> None:
     * last stage hard-coded to rank 3 or 1, or sends past the last rank: the 3-stage run
       (a send to a rank that does not exist is named at once);
     * returns the loss tensor (not a float), or a loss on other ranks: named;
+    * messages the pipeline does not need, which the numbers cannot show: a collective
+      (broadcasting the activation or the loss, an all-reduce of gradients), a send to
+      a rank that is not a neighbour, a second copy of a message: every rank sends one
+      (B, T, C) float32 activation forward (not the last) and one gradient back (not the
+      first), nothing else (named, with what was sent);
+    * calls the course's executor (``pipeline_step``, ``one_f_one_b_step``): refused;
     * any other exception: the rank's error, as CheckFailed.
     """
     for world, n_layer in STAGE_LOOP_RUNS:
         results = on_ranks(_stage_loop_rank, world, run_stage, n_layer, timeout=timeout,
                            what=f"run_stage on {world} ranks", hints=_HINTS)
-        last_loss = _compare_stage_loop(results, world, n_layer)
+        if isinstance(results[0], dict):
+            raise CheckFailed(results[0]["refused"])
+        _check_messages(results, world)
+        last_loss = _compare_stage_loop([r[:2] for r in results], world, n_layer)
     passed(f"3- and 4-stage pipelines: loss {last_loss:.4f} and all gradients equal the "
            f"unsplit model")
+
+
+def _check_messages(results: list, world: int) -> None:
+    """Every rank sent exactly its pipeline messages and called no collective."""
+    for r, (_, _, sent, collectives, nbytes) in enumerate(results):
+        if collectives:
+            raise CheckFailed(f"{world} stages: rank {r} called {sorted(set(collectives))}; a "
+                              f"pipeline stage talks to its neighbours only, by point-to-point "
+                              f"messages (one activation forward, one gradient back). The "
+                              f"numbers may be right, but that moves data every rank does not "
+                              f"need")
+        want = ([(r + 1, nbytes)] if r < world - 1 else []) + \
+               ([(r - 1, nbytes)] if r > 0 else [])
+        if sorted(sent) != sorted(want):
+            shown = ", ".join(f"{n:,} B to rank {d}" for d, n in sent) or "nothing"
+            expect = ", ".join(f"{n:,} B to rank {d}" for d, n in want)
+            raise CheckFailed(f"{world} stages: rank {r} sent {shown}; a stage sends exactly "
+                              f"{expect}: its output activation to the next stage and the "
+                              f"gradient of its input to the previous one, (B, T, C) float32 "
+                              f"each, and nothing else")
 
 
 def _compare_stage_loop(results: list, world: int, n_layer: int) -> float:

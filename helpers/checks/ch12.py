@@ -7,9 +7,23 @@ import numbers
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
+from helpers.checks.course_answers import refusing
 from helpers.tolerance import within_fp32_noise
 from helpers.pipeline import (Action, ScheduleDeadlock, format_schedule, interleaved_1f1b,
                               one_f_one_b, simulate, validate_schedule)
+
+# the chapter's own answers (helpers/checks/course_answers.py): refused while the
+# learner's function runs; the checks call them themselves, outside that window
+COURSE_BUBBLE = ["helpers.pipeline.simulate.bubble_formula"]
+# (gpipe is not refused: it is not 1F1B, and the stash check names that mistake)
+COURSE_SCHEDULES = ["helpers.pipeline.schedules.one_f_one_b",
+                    "helpers.pipeline.schedules.interleaved_1f1b",
+                    "helpers.pipeline.schedules.zb_h1"]
+
+
+def _attempt(fn, *args, what: str, course: list[str]):
+    with refusing(course, what.split("(")[0], "the exercise is to write it"):
+        return attempt(fn, *args, what=what)
 
 
 def check_bubble_fraction(bubble_fraction) -> None:
@@ -22,12 +36,14 @@ def check_bubble_fraction(bubble_fraction) -> None:
     * integer division (``//``): 0 at (2, 2, 1);
     * the bubble of m < p taken as if m >= p, or p and m swapped: (4, 16, 1), (4, 2, 1);
     * a single stage not 0: (1, 3, 1);
-    * returns None, a string or a bool (``float()`` would take them), or raises: named.
+    * returns None, a string or a bool (``float()`` would take them), or raises: named;
+    * calls the course's ``bubble_formula``: refused by name.
     """
     for p, m, v in [(2, 2, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1), (2, 4, 2), (4, 8, 2),
                     (4, 4, 4), (1, 3, 1), (4, 2, 1), (3, 5, 1)]:
         want = simulate(interleaved_1f1b(p, m, v), 1.0, 2.0).bubble_fraction
-        got = attempt(bubble_fraction, p, m, v, what=f"bubble_fraction({p}, {m}, {v})")
+        got = _attempt(bubble_fraction, p, m, v, what=f"bubble_fraction({p}, {m}, {v})",
+                       course=COURSE_BUBBLE)
         try:
             # a number, as the lab states: a string or a bool would pass float()
             if not isinstance(got, numbers.Real) or isinstance(got, bool):
@@ -68,7 +84,8 @@ def _validated(got, p: int, m: int, name: str, deadlock_hint: str = "") -> list:
 
 
 def _learner_schedule(one_f_one_b_fn, p, m):
-    got = attempt(one_f_one_b_fn, p, m, what=f"one_f_one_b({p}, {m})")
+    got = _attempt(one_f_one_b_fn, p, m, what=f"one_f_one_b({p}, {m})",
+                   course=COURSE_SCHEDULES)
     sched = _validated(got, p, m, "one_f_one_b",
                        " Check the warm-up count of each rank (which rank needs the most "
                        "forwards in flight?)")
@@ -87,7 +104,8 @@ def check_one_f_one_b(one_f_one_b_fn) -> None:
     * warm-up hard-coded for 2 ranks, or one short: another stash or order at p = 1, 3, ...
     * warm-up not capped at m (m < p): an invalid schedule, named;
     * forwards only, missing or repeated micro-batches: not a valid schedule (named);
-    * returns None or a flat list, or raises: named with the case.
+    * returns None or a flat list, or raises: named with the case;
+    * returns the course's ``one_f_one_b`` (or another of its schedules): refused by name.
     """
     for p, m in GRID:
         sched = _learner_schedule(one_f_one_b_fn, p, m)
@@ -208,12 +226,15 @@ def check_zb_h1(zb_h1_fn) -> None:
     * plain 1F1B, no W at all: named;
     * W's held back by a count written for one p: the bubble or the memory at another p
       of ZB_GRID (p = 1, 2, 3, 4, 6);
-    * returns None or a malformed list, or raises: named with the case.
+    * returns None or a malformed list, or raises: named with the case;
+    * calls the course's ``zb_h1``: refused by name (its ``one_f_one_b`` is allowed: ZB-H1
+      starts from 1F1B's order).
     """
     from helpers.pipeline import zb_h1 as reference
 
     for p, m in ZB_GRID:
-        got = attempt(zb_h1_fn, p, m, what=f"zb_h1({p}, {m})")
+        got = _attempt(zb_h1_fn, p, m, what=f"zb_h1({p}, {m})",
+                       course=["helpers.pipeline.schedules.zb_h1"])
         sched = _validated(got, p, m, "zb_h1")
         if len(sched) != p:
             raise CheckFailed(f"zb_h1({p}, {m}) has {len(sched)} rank(s), expected {p}")
@@ -235,8 +256,8 @@ def check_zb_h1(zb_h1_fn) -> None:
                 row[i + 1] == Action("W", a.microbatch, a.chunk)
                 for row in sched for i, a in enumerate(row) if a.kind == "B")
             hint = (" Every W runs right after its B: that is 1F1B with the backward cut in "
-                    "two, the same bubble. Let rank i's W's lag behind its B's, so that the "
-                    "postponed ones fill the idle slots of the drain."
+                    "two, the same bubble. A rank with memory to spare under 1F1B can hold "
+                    "some W's back, so that they fill the idle slots of the drain."
                     if one_f_one_b_like else "")
             raise CheckFailed(
                 f"zb_h1({p}, {m}): the simulator measures a bubble of "

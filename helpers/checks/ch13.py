@@ -1,16 +1,35 @@
-"""Checks for lab 13: the checkpoint autograd.Function and the delayed-scaling update."""
+"""Checks for lab 13: the checkpoint Function, the delayed-scaling update, MXFP8 blocks.
+
+A property the runtime already guarantees cannot show a learner's step. torch 2.13's
+cast to ``float8_e4m3fn`` saturates by itself: its conversion
+(``fp8e4m3fn_from_fp32_value`` in ``torch/headeronly/util/Float8_e4m3fn.h``) maps every
+value above 448, inf included, to 448 (``torch.tensor([486.]).to(torch.float8_e4m3fn)``
+is 448 in this torch), where an earlier version of the same function in PyTorch's
+repository (``c10/util/Float8_e4m3fn.h``) returned NaN for the values from 480 up.
+Comparing the FP8 bits with the reference would then pass a quantizer that never
+saturates, in one torch and not in another. So ``check_mx_quantize`` watches what
+reaches the cast instead: every call that makes or fills an E4M3 tensor from a wider
+float is seen (a ``TorchFunctionMode`` sees ``.to``, ``.type``, ``copy_``,
+``__setitem__``...), and a value above 448 going in is the learner's missing clamp,
+whatever this torch's cast does with it.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from helpers.checks import CheckFailed, attempt, passed
+from helpers.checks.course_answers import refusing
 from helpers.memory import SavedTensorCounter
 from helpers.model import Block, GPTConfig
 from helpers.precision import update_delayed_scale
 from helpers.tolerance import gamma
 
-__all__ = ["check_checkpoint", "check_delayed_scale"]
+__all__ = ["check_checkpoint", "check_delayed_scale", "check_mx_quantize"]
+
+COURSE_DELAYED = ["helpers.precision.fp8.update_delayed_scale"]
+COURSE_MX = ["helpers.precision.block_scaling.mx_quantize",
+             "helpers.precision.block_scaling.block_quantize"]
 
 
 def check_checkpoint(LearnerCheckpoint) -> None:
@@ -20,7 +39,8 @@ def check_checkpoint(LearnerCheckpoint) -> None:
     Catches:
     * a fresh dropout mask in the recompute (RNG state not saved): gradients (named);
     * rewinds the global RNG without fork_rng: the caller's stream after backward (named);
-    * saves the output (or runs forward with grad): bytes kept for backward (named);
+    * saves the output (or runs forward with grad): bytes kept for backward (named); the
+      RNG state kept with ``save_for_backward`` is not counted (it is part of an answer);
     * backward returns one gradient for two inputs (no None for run_fn), or the
       recompute outside enable_grad: the RuntimeError, named;
     * backward returns the gradient of the output, not of x: gradients differ (named);
@@ -43,7 +63,12 @@ def check_checkpoint(LearnerCheckpoint) -> None:
         torch.manual_seed(1234)       # backward runs with the RNG elsewhere, as in training
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         after = torch.get_rng_state()  # backward must leave the caller's stream alone
-        return (y.detach(), x.grad, [p.grad for p in block.parameters()], counter.total_bytes,
+        # the RNG state (a uint8 tensor) may be kept with save_for_backward too: it is not
+        # an activation, and keeping it is part of a right answer
+        rng = torch.get_rng_state()
+        kept = sum(r.nbytes for r in counter.records
+                   if not (r.dtype == rng.dtype and r.shape == tuple(rng.shape)))
+        return (y.detach(), x.grad, [p.grad for p in block.parameters()], kept,
                 after)
 
     ref = grads(block)
@@ -78,7 +103,8 @@ def check_delayed_scale(learner_fn) -> None:
     * history not rolled (newest overwritten) or rolled the wrong way: named;
     * a zero amax history dividing by zero (inf scale): the length-2 run, whose history
       is all zeros at its first two steps and again at its last;
-    * returns None, a single value, or a scale that is not one number: named.
+    * returns None, a single value, or a scale that is not one number: named;
+    * calls the course's ``update_delayed_scale``: refused by name.
     """
     seen = [2.0, 8.0, 1.0, 0.5, 0.5, 0.5, 0.0, 3.0]
     nothing_yet = [0.0, 0.0, 4.0, 0.0, 0.0, 0.0]     # all-zero history: keep the scale
@@ -90,8 +116,9 @@ def check_delayed_scale(learner_fn) -> None:
         for step, a in enumerate(amaxes):
             hist_ref, scale_ref = update_delayed_scale(hist_ref, a, scale_ref, fp8_max=fp8_max,
                                                        margin=margin)
-            out = attempt(learner_fn, hist.clone(), a, scale.clone(), fp8_max, margin,
-                          what="update_delayed_scale")
+            with refusing(COURSE_DELAYED, "update_delayed_scale", "the update is the exercise"):
+                out = attempt(learner_fn, hist.clone(), a, scale.clone(), fp8_max, margin,
+                              what="update_delayed_scale")
             try:
                 hist, scale = torch.as_tensor(out[0], dtype=torch.float32), \
                     torch.as_tensor(out[1], dtype=torch.float32)
@@ -119,6 +146,48 @@ def check_delayed_scale(learner_fn) -> None:
     passed("delayed scaling: history roll, max over history, margin, zero amax keeps the scale")
 
 
+class _CastWatch:
+    """While active (``with _CastWatch() as w``), every torch call that makes or fills an
+    E4M3 tensor from a wider float tensor is seen, and the largest finite magnitude that
+    went into such a cast is kept in ``w.largest`` (module docstring). A
+    ``TorchFunctionMode`` sees every call of torch's Python API: ``.to(dtype)``,
+    ``.type(dtype)``, ``copy_`` or ``__setitem__`` into an FP8 buffer,
+    ``torch.as_tensor(..., dtype=...)``. (A ``TorchDispatchMode`` would see the same one
+    level lower, but its first use imports ``torch._dynamo``, seconds on a laptop.)"""
+
+    def __init__(self):
+        self.largest = 0.0
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._pytree import tree_leaves
+
+        watch = self
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                tensors = [t for t in tree_leaves((out, args, kwargs))
+                           if isinstance(t, torch.Tensor)]
+                if any(t.dtype == torch.float8_e4m3fn for t in tensors):
+                    for t in tree_leaves((args, kwargs)):
+                        if isinstance(t, torch.Tensor) and t.is_floating_point() \
+                                and t.dtype not in fp8 and t.numel():
+                            finite = t.detach()[torch.isfinite(t.detach())]
+                            if finite.numel():
+                                watch.largest = max(watch.largest, float(finite.abs().max()))
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 def check_mx_quantize(mx_quantize_fn) -> None:
     """``mx_quantize(x) -> (x8, scales)``: MXFP8, 1x32 blocks along the last dimension,
     one power-of-two scale per block (OCP MX v1.0), compared exactly with the reference
@@ -128,10 +197,13 @@ def check_mx_quantize(mx_quantize_fn) -> None:
     * one scale per tensor: named;
     * scales not powers of two (fp8_max / amax): named;
     * the exponent rounded instead of floored: the 1.9 x 2^k block;
-    * no saturation before the cast (486 becomes NaN in E4M3): the same block;
+    * no saturation before the cast: the same block, whose 1.9 x 256 = 486.4 must be
+      clamped to 448. torch 2.13's cast would clamp it too (module docstring), so the
+      check does not read the bits for this: it sees the unclamped values reach the cast;
     * an all-zero block dividing by zero: the zeros case;
     * x8 not FP8 (left in float32), or not a tensor: named;
-    * returns None or one tensor: named; an exception: named.
+    * returns None or one tensor: named; an exception: named;
+    * calls the course's ``mx_quantize`` or ``block_quantize``: refused by name.
     """
     from helpers.precision import mx_quantize as reference
 
@@ -142,13 +214,15 @@ def check_mx_quantize(mx_quantize_fn) -> None:
     outlier[:, 5] *= 1e4
     cases.append(outlier)
     # a block whose amax is 1.9 x 2^k: the exponent is floor(log2 amax) (rounding it would
-    # halve the scale), and 1.9 x 256 = 486 after scaling lies above E4M3's 448: saturate
+    # halve the scale), and 1.9 x 256 = 486.4 after scaling lies above E4M3's 448: saturate
     top = torch.ones(1, 32)
     top[0, 0] = 1.9
     cases.append(top)
     for x in cases:
         want8, want_s = reference(x)
-        got = attempt(mx_quantize_fn, x.clone(), what="mx_quantize")
+        with refusing(COURSE_MX, "mx_quantize", "the block scaling is the exercise"), \
+                _CastWatch() as watch:
+            got = attempt(mx_quantize_fn, x.clone(), what="mx_quantize")
         try:
             got8, got_s = got
             got_s = torch.as_tensor(got_s, dtype=torch.float32)
@@ -170,9 +244,15 @@ def check_mx_quantize(mx_quantize_fn) -> None:
         if not isinstance(got8, torch.Tensor) or got8.dtype != want8.dtype:
             raise CheckFailed(f"x8 should be a tensor of dtype {want8.dtype}, got "
                               f"{got8.dtype if isinstance(got8, torch.Tensor) else got8!r:.60}")
+        if watch.largest > 448.0:
+            raise CheckFailed(
+                f"values up to {watch.largest:g} reached the cast to E4M3 unclamped: saturate "
+                f"each scaled block to [-448, 448] before casting. (torch 2.13's cast happens "
+                f"to clamp them for you, to 448; an earlier version of torch's conversion "
+                f"turned them into NaN. Saturating is the quantizer's job, not the cast's.)")
         if got8.shape != want8.shape or not torch.equal(got8.float().nan_to_num(1e9),
                                                         want8.float()):
             raise CheckFailed("the scales are right but the FP8 values are not: multiply each "
                               "block by its scale, saturate to the format's range, then cast")
     passed(f"MXFP8 block quantization equals the reference bit for bit on {len(cases)} tensors "
-           f"(outliers, tiny values, zeros, a block that saturates)")
+           f"(outliers, tiny values, zeros, a block that saturates before the cast)")

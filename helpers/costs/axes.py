@@ -25,9 +25,11 @@ placement), so a strided group that spreads one GPU per node pays for it.
     cp   K and V of the whole sequence (this TP rank's key/value heads)
          all-gathered in forward, again in backward, and their gradients
          reduce-scattered, per layer per micro-batch (Llama 3's CP, Dubey et
-         al. 2024, sec. 3.3.2; ring attention passes the same blocks round the
-         same ring, chapter 10). Exposed: all (Llama 3: "exposed in the critical
-         path"; ring attention can hide it behind the attention blocks).
+         al. 2024, sec. 3.3.2). Exposed: all (Llama 3: "exposed in the critical
+         path"). Ring attention (chapter 10) sends the same bytes in the same
+         cp - 1 steps, but as one GPU pair per hop, at one NIC's bandwidth where
+         the ring crosses nodes, hidden behind the attention blocks when they are
+         long enough: ``helpers.sp.cost`` prices it; this term does not.
     ep   dispatch and combine all-to-alls forward, their transposes backward:
          4 per MoE layer per micro-batch of top_k copies of each token (chapter
          21), 1/tp of the tokens with sequence parallelism. Exposed: all.

@@ -32,6 +32,15 @@ Recomputation in Large Transformer Models", sec. 4.2.3, eq. 5). Pass
 ``memory_limit``: only splits with (p - s) * memory(stage s) <= memory_limit
 on every stage are allowed, and among those the slowest stage is minimized.
 
+Comparisons of sums carry a stated tolerance, ``RTOL`` = 1e-9 relative. The
+same layers summed in another order (here through prefix sums, by the caller
+one stage at a time) differ in the last bits: each float addition rounds by
+at most 2^-53 of its result (Higham 2002, sec. 3.1), so n of them by ~n x
+1.1e-16. Without a tolerance a split whose stash fills the limit exactly is
+refused for a rounding error, and a worse split is returned (12 equal layers,
+a limit of 8 layers' stash: [2, 2, 3, 5] instead of [2, 2, 4, 4]). 1e-9 is far
+above that rounding and far below any real difference between two splits.
+
 Algorithm: dynamic programming over prefixes, O(L^2 p) for L layers. best[k][i]
 is the smallest possible "largest stage" when the first i layers form k
 stages; best[k][i] = min over j of max(best[k-1][j], cost(j..i)). Among
@@ -57,7 +66,11 @@ from typing import Sequence
 
 from helpers.validate import positive_int
 
-__all__ = ["partition", "stage_costs", "pipeline_step_time", "stash_memory"]
+__all__ = ["partition", "stage_costs", "pipeline_step_time", "stash_memory", "RTOL"]
+
+# relative tolerance of every comparison of sums (module docstring): a stash within
+# RTOL of the limit fits, two stage costs within RTOL of each other tie
+RTOL = 1e-9
 
 
 def partition(layer_costs: int | Sequence[float], num_stages: int, *,
@@ -85,7 +98,8 @@ def partition(layer_costs: int | Sequence[float], num_stages: int, *,
     mem = [0.0] * L if layer_memory is None else [float(x) for x in layer_memory]
     if len(mem) != L:
         raise ValueError(f"layer_memory has {len(mem)} entries for {L} layers")
-    limit = float("inf") if memory_limit is None else float(memory_limit)
+    # a stash up to RTOL above the limit fits: rounding, not memory (module docstring)
+    limit = float("inf") if memory_limit is None else float(memory_limit) * (1 + RTOL)
     mem_prefix = [0.0]
     for x in mem:
         mem_prefix.append(mem_prefix[-1] + x)
@@ -100,14 +114,15 @@ def partition(layer_costs: int | Sequence[float], num_stages: int, *,
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, L - (num_stages - k) + 1):
-            # last stage = layers [j, i); j ascending and a strict "<" keep the smallest j
-            # among equally good cuts: the longest last stage (ties -> earlier stages smaller)
+            # last stage = layers [j, i); j ascending and a strict "<" (by more than RTOL)
+            # keep the smallest j among equally good cuts: the longest last stage (ties ->
+            # earlier stages smaller)
             for j in range(k - 1, i):
                 # stage k - 1 (0-based) stashes num_stages - k + 1 micro-batches under 1F1B
                 if (num_stages - k + 1) * (mem_prefix[i] - mem_prefix[j]) > limit:
                     continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i] - 1e-12:
+                if value < best[k][i] * (1 - RTOL):
                     best[k][i], cut[k][i] = value, j
     if best[num_stages][L] == inf:
         raise ValueError(f"no split into {num_stages} stages keeps every stage's 1F1B stash "

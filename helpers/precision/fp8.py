@@ -11,14 +11,23 @@ scale (the paper's sec. 2 leaves how to pick it to software): x8 =
 cast(x * scale), x ~ x8 / scale, with scale = fp8_max / amax so the largest
 magnitude lands at the top of the format. Computing amax needs a pass over
 the tensor before casting it; *delayed scaling* (NVIDIA Transformer Engine's
-default ``DelayedScaling`` recipe) instead uses the amax of *previous* steps,
-kept in a short history:
+``DelayedScaling`` recipe) instead uses the amax of *previous* steps, kept in a
+short history. Which recipe Transformer Engine picks by default depends on the GPU
+(``get_default_fp8_recipe``, ``transformer_engine/pytorch/quantization.py``, read at
+v2.18): ``MXFP8BlockScaling`` where MXFP8 runs (compute capability 10.x),
+``Float8CurrentScaling`` on 12.0 and later, ``DelayedScaling`` elsewhere, Hopper and
+Ada included. The delayed rule:
 
     scale_t = fp8_max / max(amax_history) / 2^margin     (algo "max")
     scale_t = fp8_max / amax_{t-1} / 2^margin           (algo "most_recent")
 
 and records this step's amax into the history afterwards. A spike larger
-than the history saturates (clamps to +-fp8_max) for one step.
+than the history saturates (clamps to +-fp8_max) for one step. ``quantize``
+clamps before it casts: torch 2.13's cast to E4M3 happens to saturate by
+itself (``fp8e4m3fn_from_fp32_value`` in ``torch/headeronly/util/Float8_e4m3fn.h``
+maps every value above 448, inf included, to 448), but an earlier version of
+the same function (``c10/util/Float8_e4m3fn.h``) returned NaN for them, so the
+saturation belongs to the quantizer.
 
 Every rank of a tensor- or data-parallel group should use one scale for
 the same tensor: ``all_reduce_amax`` takes the largest amax over the group
@@ -28,6 +37,7 @@ the same tensor: ``all_reduce_amax`` takes the largest amax over the group
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -107,6 +117,8 @@ def _cast_and_amax(x: torch.Tensor, scale: torch.Tensor, dtype
 
 
 _COMPILED: dict[str, object] = {}
+# CPU only: (shape, input dtype, FP8 dtype) -> did the compiled function give eager's bits?
+_CPU_CHECKED: dict[tuple, bool] = {}
 
 
 def cast_and_amax(x: torch.Tensor, scale: torch.Tensor, dtype, fused: bool = False
@@ -120,13 +132,38 @@ def cast_and_amax(x: torch.Tensor, scale: torch.Tensor, dtype, fused: bool = Fal
     amax reduction from one read of x (Transformer Engine's cast kernels compute the
     amax while they cast, for the same reason). The result is the same bits either
     way: multiply, clamp, cast and max are each exactly rounded, in any order.
-    The first call compiles (tens of seconds on a CPU, seconds on a GPU)."""
-    fn = _cast_and_amax
-    if fused:
-        if "fn" not in _COMPILED:
-            _COMPILED["fn"] = torch.compile(_cast_and_amax, fullgraph=True)
-        fn = _COMPILED["fn"]
-    return fn(x, scale, dtype)
+    The first call compiles (tens of seconds on a CPU, seconds on a GPU).
+
+    On a CPU the compiled code is C++ that Inductor writes for the CPU's vector ISA,
+    and in torch 2.13 that code is not right everywhere: built for AVX2 (a laptop
+    without AVX-512) its E4M3 cast gives zeros and its amax misses elements, and
+    without vectors it does not compile. So on a CPU the first call for each shape
+    also runs the eager function and compares the bits; where they differ (or the
+    compile fails) that shape stays eager, with a warning. On a GPU (Triton's code)
+    nothing is compared: that would read the result back to the host."""
+    if not fused:
+        return _cast_and_amax(x, scale, dtype)
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_cast_and_amax, fullgraph=True)
+    compiled = _COMPILED["fn"]
+    if x.device.type != "cpu":
+        return compiled(x, scale, dtype)
+    key = (tuple(x.shape), x.dtype, dtype)
+    if key not in _CPU_CHECKED:
+        want = _cast_and_amax(x, scale, dtype)
+        try:
+            got = compiled(x, scale, dtype)
+            ok = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
+                torch.equal(got[1], want[1])
+        except Exception:  # noqa: BLE001 - a compile that fails is the same verdict
+            ok = False
+        _CPU_CHECKED[key] = ok
+        if not ok:
+            warnings.warn(f"torch.compile's CPU code for the FP8 cast of a {tuple(x.shape)} "
+                          f"{x.dtype} tensor gave other bits than eager on this CPU: that "
+                          f"shape is cast eagerly (same result, one more pass over memory)")
+        return want
+    return compiled(x, scale, dtype) if _CPU_CHECKED[key] else _cast_and_amax(x, scale, dtype)
 
 
 @dataclasses.dataclass

@@ -7,8 +7,10 @@ applies the two dequantization scales. It keeps the FP8 copies of input and
 weight for backward, so its saved activations are 1 byte per element.
 The GEMMs are ``scaled_mm.fp8_gemm``, the scales ``fp8.DelayedScaling``: the
 split of Micikevicius et al. 2022 (sec. 3), which Transformer Engine's
-``te.Linear`` uses under its default ``DelayedScaling`` recipe (TE 1.x-2.x:
-``Format.HYBRID``, E4M3 forward, E5M2 backward).
+``te.Linear`` uses under its ``DelayedScaling`` recipe (``Format.HYBRID`` by default:
+E4M3 forward, E5M2 backward), the default recipe on Hopper and Ada GPUs
+(``get_default_fp8_recipe`` in Transformer Engine v2.18; MXFP8 block scaling on
+compute capability 10.x, per-tensor current scaling on 12.0 and later).
 """
 
 from __future__ import annotations

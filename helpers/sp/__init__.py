@@ -17,6 +17,9 @@ memory. Two splits along the sequence fix that:
   comparison; CUDA only).
 * ``megatron``: Megatron sequence parallelism on top of ``helpers.tp``
   (Korthikanti et al. 2022, sec. 4.2.2): ``sequence_parallel_block``.
+* ``cost``: what the ring's messages cost on a cluster (``ring_hop_time``,
+  ``ring_attention_time``): one GPU pair per hop, one NIC at a node boundary,
+  and how much of it the attention hides.
 
 Every function takes ``group`` (None: the default group) and, with one
 rank, reduces to ordinary attention.

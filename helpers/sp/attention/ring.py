@@ -84,7 +84,7 @@ def block_mask(q_pos, seq, cp, src, layout, causal=True):
 
 
 def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline=None,
-                 communicate=True):
+                 communicate=True, trace=None):
     """The ring's forward without autograd: this rank's output chunk and its log-sum-exp.
 
     Step i computes on the K/V block that started on rank r - i while the block of
@@ -95,7 +95,13 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
     "comm" runs from posting the isend/irecv to the moment the wait returns, "wait"
     is the part of it the rank spent blocked. ``communicate=False`` computes the
     same cp blocks (same masks) on the local K/V, with no messages: the compute
-    alone, for timing how much of the transfer the ring hides.
+    alone, for timing how much of the transfer the ring hides. ``trace`` (a list)
+    gets one dict per step, what the step did: ``{"step", "rank", "owner"`` (whose K/V
+    block it held), ``"q_pos", "k_pos"`` (the global positions of this rank's queries
+    and of the block's keys), ``"mask"`` (bool (n, n): which scores it computed),
+    ``"computed"`` (False: fully masked, skipped), ``"sent_to", "received_from"`` (the
+    ranks in the group it passed the block to and got the next from; None after the
+    last step)``}`` (``helpers.drawing.ring_attention`` draws it).
     """
     cp, r, seq = check_qkv(q, k, v, group, layout)
     dt = _compute_dtype(q)
@@ -113,10 +119,22 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
         nxt, reqs = ring_shift(kv, group, tag=0) if communicate and step < cp - 1 else (kv, [])
         mask = block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
         t0 = clk.mark()
-        if mask is None or mask.any():                        # fully masked: skip the block
+        computed = mask is None or bool(mask.any())
+        if computed:                                          # fully masked: skip the block
             o, l = block_attention(qc, kv[0], kv[1], mask, scale)
             out, lse = merge_partials(out, lse, o, l)
         t1 = clk.mark()
+        if trace is not None:
+            owner = (r - step) % cp
+            k_pos = positions(seq, cp, owner, layout)
+            moving = bool(reqs)
+            trace.append({"step": step, "rank": r, "owner": owner,
+                          "q_pos": q_pos.tolist(), "k_pos": k_pos.tolist(),
+                          "mask": (torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+                                   if mask is None else mask.cpu()),
+                          "computed": computed,
+                          "sent_to": (r + 1) % cp if moving else None,
+                          "received_from": (r - 1) % cp if moving else None})
         span("compute", f"block of rank {(r - step) % cp}", t0, t1)
         wait_all(reqs)                                        # next block arrived under compute
         if reqs:
