@@ -13,6 +13,16 @@ In a notebook a failing check shows only its message (see
 ``CheckFailed._render_traceback_``), not a traceback through this package:
 the learner needs what was expected and what came back, not our frames.
 
+What the chapter modules share, each in one place:
+
+* ``helpers.checks.spy``: ``communication_spy`` counts every send and receive (lone
+  or in a ``batch_isend_irecv``) and every collective the learner's code makes;
+* ``helpers.checks.course_answers``: ``refusing(...)`` switches the course's own
+  answer to an exercise off while the learner's code runs, so a one-line call of
+  it fails with a sentence, not with the right numbers;
+* ``helpers.checks.groups``: ``split_world`` runs the exercise in groups that are
+  not the world, and ``GroupWatch`` stops a collective called without its ``group=``.
+
 Tests in ``tests/test_checks_*.py`` prove that every check passes on the
 solution and fails on the lab's stub and on at least one plausible mistake.
 """

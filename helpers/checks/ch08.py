@@ -45,7 +45,7 @@ def _groups(case: str):
     """(group, its index, members) of this rank for ``case``: LAYOUT's groups, or the world."""
     import torch.distributed as dist
 
-    from helpers.checks.subgroups import split_world
+    from helpers.checks.groups import split_world
     if case == "groups":
         return split_world(LAYOUT)
     return dist.group.WORLD, 0, list(range(dist.get_world_size()))

@@ -44,7 +44,7 @@ def _run_block(parallelize_block):
 
     from helpers.checks.course_answers import refusing
     from helpers.checks.spy import communication_spy
-    from helpers.checks.subgroups import split_world
+    from helpers.checks.groups import split_world
     from helpers.model import GPTConfig, build_model
     from helpers.tp import count_collectives, gather_dense
 
@@ -219,7 +219,7 @@ def _run_loss(vocab_parallel_loss):
     import torch.distributed as dist
 
     from helpers.checks.course_answers import refusing
-    from helpers.checks.subgroups import split_world
+    from helpers.checks.groups import split_world
     split = split_world(LOSS_LAYOUT)
     out = {}
     try:

@@ -130,7 +130,7 @@ def _run_ring(ring_forward):
     the reference chunk."""
     import torch.distributed as dist
 
-    from helpers.checks.subgroups import split_world
+    from helpers.checks.groups import split_world
     split = split_world(RING_LAYOUT)
     out = {}
     try:
