@@ -279,7 +279,8 @@ class FSDP(nn.Module):
     ``shard_group``: ranks that split each unit (default: all). With
     ``replicate_group`` as well (see ``hybrid_groups``) it is hybrid sharding.
     ``timeline``: a ``helpers.overlap.Timeline`` that records compute and
-    communication spans. ``prefetch``: True (``next_unit_prefetch``), False, or
+    communication spans, and on its lane "held" each unit from the launch of its
+    gather to its free (the time its full weights take memory). ``prefetch``: True (``next_unit_prefetch``), False, or
     your own ``fn(fsdp, i, phase)`` called right after unit i is gathered
     (``phase`` "forward" or "backward"; i = -1: the root, before block 0).
     ``param_dtype`` / ``reduce_dtype``: the mixed-precision policy (None: the
@@ -464,6 +465,8 @@ class FSDP(nn.Module):
         self._gathered_now += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_now)
         self._count("all_gather", nbytes, self.shard_size)
+        if self.timeline is not None:  # the unit's full weights exist from now until free
+            u.held_since = self.timeline.now()
         # (padded / S,) this rank's chunk, cast to param_dtype first: half the
         # bytes on the wire in bf16.
         chunk = u.shard.detach().to(u.full.dtype)
@@ -484,10 +487,17 @@ class FSDP(nn.Module):
         it yourself after writing into the shards outside a step (a checkpoint
         load), or a unit still gathered would go on computing with the old
         weights. Not collective."""
-        if u.gathered:
+        held = u.gathered
+        if held:
             self._gathered_now -= u.full.numel() * u.full.element_size()
         u.free()  # (waits first for a gather still writing into it)
         self._shard_views(u)
+        since = getattr(u, "held_since", None)
+        if held and self.timeline is not None and since is not None:
+            # lane "held": from the gather's launch to this free, the unit's full weights
+            # take memory on this rank (chapter 15's picture of units' lives)
+            self.timeline.add("held", u.name, since, self.timeline.now())
+            u.held_since = None
 
     # ------------------------------------------------------------ the parameters' views
     # What a parameter of the model is (see "The model's own parameters" above):

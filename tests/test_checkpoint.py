@@ -232,6 +232,24 @@ def test_loss_scaler_state_keeps_an_fp16_resume_bitwise(tmp_path):
     assert not _same_params(full["params"], no_scaler["params"])
 
 
+def _fp16_run_warnings(directory):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = resumable_run(directory, 4, fp16=True, save_every=100)
+    return [str(w.message) for w in caught], out["stepped"]
+
+
+def test_a_step_the_scaler_skips_does_not_step_the_lr_schedule(tmp_path):
+    """The scale starts at 2^20 and the toy's first step overflows: the scaler skips
+    it, so the LR schedule must not advance there (Megatron steps its scheduler only
+    after a successful update); stepping it anyway is what torch warns about ("Detected
+    call of `lr_scheduler.step()` before `optimizer.step()`")."""
+    messages, stepped = launch(_fp16_run_warnings, 2, str(tmp_path))[0]
+    assert stepped[1] is False              # the case is there: step 1 was skipped
+    assert not [m for m in messages if "lr_scheduler.step()" in m], messages
+
+
 def _save_then_die_mid_save(directory):
     r = rank_info().rank
     save(directory, {"w": torch.full((4,), 2.0 + r)}, 2)

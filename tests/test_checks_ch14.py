@@ -29,6 +29,13 @@ def _no_return(numel, world_size, rank):  # computes, forgets to return
     _floor_chunks(numel, world_size, rank)
 
 
+def _via_flat_partition(numel, world_size, rank):   # the course's partition, asked
+    from helpers.zero import FlatPartition
+    part = FlatPartition([numel], world_size, [[0]])
+    lo, hi = part.shard_range(part.buckets[0], rank)
+    return lo, hi, part.buckets[0].padded
+
+
 def _zero1(average_twice=False, gather=True, use_group=True, all_reduce=False, answer=True):
     def zero1_step(flat_param, flat_grad, m, v, step, group=None):
         N, r = dist.get_world_size(group), dist.get_rank(group)
@@ -135,6 +142,8 @@ class TestChapter14(ChapterChecks):
         Wrong("shard_bounds", _rounded_chunks, "chunk rounded to nearest",
               says=r"shard_bounds\(10, 3, 0\)"),
         Wrong("shard_bounds", _no_return, "returns None", says="should return a tuple"),
+        Wrong("shard_bounds", _via_flat_partition, "helpers.zero.FlatPartition asked",
+              says="switched off in this check"),
         Wrong("zero1_step", _zero1(all_reduce=True), "all-reduce, then a slice",
               says="all_reduce refused"),
         Wrong("zero1_step", _zero1(use_group=False), "collectives without group=",

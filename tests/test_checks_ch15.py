@@ -14,6 +14,19 @@ def _gather_new_tensor(unit):
     all_gather(unit.full, unit.shard, group=unit.group)
 
 
+def _gather_via_course(unit):   # the course's UnitBuffer machinery does it
+    from helpers.comm import alloc_storage, is_allocated
+    if is_allocated(unit.full):
+        return
+    alloc_storage(unit.full)
+    all_gather(unit.full, unit.shard, group=unit.group)
+
+
+def _free_via_course(unit):
+    from helpers.comm import free_storage
+    free_storage(unit.full)
+
+
 def _free(unit):
     unit.full.untyped_storage().resize_(0)
 
@@ -68,7 +81,7 @@ def _attach_no_free(module, unit, gather, free):
 
 
 def _post_backward(average=True, drop=True, free_unit=True, all_reduce=False, pad=True,
-                   answer=True, gather_back=False):
+                   answer=True, gather_back=False, use_group=True):
     """The solution's mechanism with one switch turned wrong at a time."""
     import torch.distributed as dist
 
@@ -90,7 +103,7 @@ def _post_backward(average=True, drop=True, free_unit=True, all_reduce=False, pa
             chunk = flat.chunk(N)[r].clone()
         else:
             chunk = torch.empty(flat.numel() // N)
-            reduce_scatter(chunk, flat, group=unit.group)
+            reduce_scatter(chunk, flat, group=unit.group if use_group else None)
         if gather_back:  # gathers the averaged gradient back: an all-gather too many
             whole = torch.empty(flat.numel())
             all_gather(whole, chunk, group=unit.group)
@@ -144,4 +157,8 @@ class TestChapter15(ChapterChecks):
               says="still gathered"),
         Wrong("post_backward", _post_backward(all_reduce=True), "all-reduce, then keep a slice",
               says="all_reduce refused"),
+        Wrong("post_backward", _post_backward(use_group=False),
+              "reduce-scatter without group=unit.group", says="without group=group"),
+        Wrong("gather_free", {"gather": _gather_via_course, "free": _free_via_course},
+              "the course's storage helpers and start_gather", says="switched off in this check"),
     ]

@@ -57,6 +57,34 @@ def _just_ran(fsdp, i, phase):  # prefetches the unit that was just gathered: no
         fsdp.gather_async(fsdp.units[i])
 
 
+def _private_gather(fsdp, i, phase):  # FSDP's private synchronous gather
+    j = i + 1 if phase == "forward" else i - 1
+    if 0 <= j < len(fsdp.units):
+        fsdp._gather(fsdp.units[j])
+
+
+def _async_then_wait(fsdp, i, phase):  # the public call, then waits for it: no overlap
+    j = i + 1 if phase == "forward" else i - 1
+    if 0 <= j < len(fsdp.units):
+        fsdp.gather_async(fsdp.units[j])
+        fsdp.units[j].wait()
+
+
+def _default_prefetch(fsdp, i, phase):  # FSDP's own default, called
+    from helpers.fsdp import next_unit_prefetch
+    next_unit_prefetch(fsdp, i, phase)
+
+
+def _course_union(spans):  # the chapter's helper, called
+    from helpers.overlap import union_length
+    return union_length(spans)
+
+
+def _course_topk(ratio):  # the chapter's hook, returned
+    from helpers.compression import TopKHook
+    return TopKHook(ratio)
+
+
 def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True,
                k_of=None, divide_by=None, as_future=True):
     """The solution's mechanism with one switch turned wrong at a time (with every
@@ -127,4 +155,14 @@ class TestChapter16(ChapterChecks):
               says="not a torch.futures.Future"),
         Wrong("topk_ef_hook", partial(_topk_hook, zero_sent=False),
               "keeps the sent values in the error", says="the error you keep"),
+        Wrong("prefetch", _private_gather, "fsdp._gather: a private synchronous gather",
+              says="FSDP's own internal"),
+        Wrong("prefetch", _async_then_wait, "gather_async, then waits for it",
+              says="waited for"),
+        Wrong("prefetch", _default_prefetch, "FSDP's own next_unit_prefetch",
+              says="switched off in this check"),
+        Wrong("union_length", _course_union, "helpers.overlap.union_length called",
+              says="switched off in this check"),
+        Wrong("topk_ef_hook", _course_topk, "the course's TopKHook returned",
+              says="switched off in this check"),
     ]

@@ -7,6 +7,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,22 @@ def _restore_without_numpy(state, sampler):
     sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+def _course_interval(cost, mtbf):   # the chapter's own function
+    from helpers.checkpoint.failures import young_interval
+    return young_interval(cost, mtbf)
+
+
+def _capture_via_course(sampler):   # the chapter's rng_state does the generators
+    from helpers.checkpoint.state import rng_state
+    return {"sampler": sampler.state_dict(), "rng": rng_state()}
+
+
+def _restore_via_course(state, sampler):
+    from helpers.checkpoint.state import set_rng_state
+    sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng"])
 
 
 # -- exercise 1: wrong atomic saves, each one mistake ------------------------------------
@@ -162,6 +179,52 @@ def _save_no_manifest(directory, step, data):  # files durable and renamed, no m
     dist.barrier()
 
 
+def _save_no_first_barrier(directory, step, data):
+    """Rank 0 creates the directory; the others write into it without waiting for it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(directory, f"step{step:08d}")
+    tmp = final + ".partial"
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    name = f"rank{rank}.bin"
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    digests = [None] * world
+    dist.all_gather_object(digests, (name, hashlib.sha256(data).hexdigest()))
+    if rank == 0:
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"step": step, "files": dict(digests)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+    dist.barrier()
+
+
+def _save_digests_before_durable(directory, step, data):
+    """Checksums gathered first (they are of the bytes, known before writing), then
+    files written: rank 0 commits without waiting for the others' files to be durable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(directory, f"step{step:08d}")
+    tmp = final + ".partial"
+    os.makedirs(tmp, exist_ok=True)
+    name = f"rank{rank}.bin"
+    digests = [None] * world
+    dist.all_gather_object(digests, (name, hashlib.sha256(data).hexdigest()))
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if rank == 0:
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"step": step, "files": dict(digests)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+    dist.barrier()
+
+
 def _save_with_replace_and_dir_fsync(directory, step, data):
     """Another right save: os.replace for the commit, directories fsynced too, the
     checksums gathered to rank 0 only."""
@@ -219,6 +282,11 @@ class TestChapter17(ChapterChecks):
         Wrong("atomic_save", _save_md5, "md5 instead of sha256", says="sha256"),
         Wrong("atomic_save", _save_no_manifest, "no manifest at all", says="no manifest.json"),
         Wrong("atomic_save", _save_three_ranks, "world size 3 written in", says="on 4 ranks"),
+        Wrong("atomic_save", _save_no_first_barrier, "others write before rank 0 made the directory",
+              says="did not exist yet"),
+        Wrong("atomic_save", _save_digests_before_durable,
+              "checksums gathered before the files are durable",
+              says="collected before every rank's file was durable"),
         Wrong("resume_extras", {"capture_extras": _capture_all,
                                 "restore_extras": _restore_without_torch},
               "forgets the torch RNG", says="torch .dropout masks. generator"),
@@ -240,4 +308,47 @@ class TestChapter17(ChapterChecks):
               "returns minutes", says="optimal_interval"),
         Wrong("optimal_interval", lambda c, m: f"{math.sqrt(2 * c * m):.0f} s",
               "returns a string", says="expected a number"),
+        Wrong("optimal_interval", _course_interval, "the course's young_interval called",
+              says="switched off in this check"),
+        Wrong("resume_extras", {"capture_extras": _capture_via_course,
+                                "restore_extras": _restore_via_course},
+              "the course's rng_state / set_rng_state called", says="switched off in this check"),
     ]
+
+
+# -- the atomic save's verdict is the same on every run ----------------------------------
+
+_RACY = {  # answers whose outcome depends on timing when the ranks are left to race
+    "the solution": None,
+    "ranks return before the commit": _save_returns_early,
+    "checksums gathered before the files are durable": _save_digests_before_durable,
+    "others write before rank 0 made the directory": _save_no_first_barrier,
+    "every rank renames": _save_every_rank_renames,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_RACY))
+def test_atomic_save_verdict_is_the_same_ten_times(name):
+    """The check schedules the ranks' races (helpers.checks.ch17._Schedule): the same
+    code gets the same verdict, naming the same cause, run after run. (Where several ranks
+    fail alike, which of them the launch names first may differ, and the temporary
+    directory always does: both are left out of the comparison.)"""
+    import re
+
+    from helpers.checks import CheckFailed
+    from tools.nbtool import exercise
+
+    answer = _RACY[name] or exercise("solutions/17_checkpoint_resume_solution.ipynb",
+                                     "atomic_save")
+    verdicts = []
+    for _ in range(10):
+        try:
+            ch17.check_atomic_save(answer)
+            verdicts.append("passed")
+        except CheckFailed as exc:
+            first = str(exc).split("\n")[0]
+            verdicts.append(re.sub(r"rank ?\d+", "rank N",
+                                   re.sub(r"/tmp/[^'\s]*/", "<tmp>/", first)))
+    assert len(set(verdicts)) == 1, verdicts
+    assert (verdicts[0] == "passed") == (_RACY[name] is None), verdicts[0]

@@ -15,6 +15,55 @@ from helpers.debug import first_disagreement
 from planted_bugs import pad_with_zero_grads, sync_always
 
 
+def _skip_step_one():
+    """Fix 1 written for the lab's data: every rank skips step 1, whatever the losses."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        loss = (x @ w - y).pow(2).mean()
+        loss.backward()
+        if step != 1:
+            dist.all_reduce(w.grad)
+            with torch.no_grad():
+                w -= LR * w.grad / world
+        dist.all_reduce(loss.detach())
+        w.grad = None
+    return w.detach()
+
+
+def _uneven(steps_rule):
+    """Fix 3 with another rule for the number of steps: ``steps_rule(n_batches(rank))``,
+    given the rank's own count, on every rank."""
+    def fixed():
+        import torch.distributed as dist
+        from helpers.checks.ch18 import n_batches
+        rank, world = dist.get_rank(), dist.get_world_size()
+        w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+        for step in range(steps_rule(n_batches(rank), world)):
+            x, y = batch(rank, step)
+            (x @ w - y).pow(2).mean().backward()
+            dist.all_reduce(w.grad)
+            with torch.no_grad():
+                w -= LR * w.grad / world
+            w.grad = None
+        return w.detach()
+    return fixed
+
+
+def _mean_steps(mine, world):   # the shard sizes summed over ranks, divided: a mean, floored
+    import torch.distributed as dist
+    t = torch.tensor(mine)
+    dist.all_reduce(t)
+    return int(t) // world
+
+
+def _min_from_everyone(mine, world):   # reads every rank's shard size itself, no collective
+    from helpers.checks.ch18 import n_batches
+    return min(n_batches(r) for r in range(world))
+
+
 def _naming(n, rank):
     """A diagnosis right but for bug n, where it names ``rank``."""
     answer = {**ch18.FAULTY_RANK, n: rank}
@@ -40,6 +89,13 @@ class TestChapter18(ChapterChecks):
                 says=f"fix {n} still fails") for n in (1, 2, 3)),
         Wrong("fix 1", sync_always, "syncs on every step", says="every rank must skip"),
         Wrong("fix 3", pad_with_zero_grads, "pads with zero gradients", says="shortest shard"),
+        Wrong("fix 1", _skip_step_one, "skips step 1, the lab's step, whatever the losses",
+              says="on other data .*NaNs in rank 0's batch at step 0"),
+        Wrong("fix 3", _uneven(lambda mine, world: STEPS - 1), "trains STEPS - 1 steps: the "
+              "lab's shortest shard written in", says="on other data .*shards of 5, 3, 4"),
+        Wrong("fix 3", _uneven(_mean_steps), "the mean shard size, floored", says="not a mean"),
+        Wrong("fix 3", _uneven(_min_from_everyone), "reads every rank's shard size itself",
+              says="sees only its own data"),
     ]
 
 
@@ -56,7 +112,7 @@ def test_the_reference_is_data_parallel_sgd():
     gradient of a mean over equal-size batches is the mean of their gradients)."""
     w = torch.zeros(8, dtype=torch.float64, requires_grad=True)
     for step in range(STEPS):
-        xs, ys = zip(*(batch(r, step) for r in range(3)))
+        xs, ys = zip(*(ch18._clean_batch(r, step) for r in range(3)))   # no NaN planted
         (torch.cat(xs) @ w - torch.cat(ys)).pow(2).mean().backward()
         with torch.no_grad():
             w -= LR * w.grad
@@ -132,6 +188,17 @@ def _diff_ranks_as_tuple(calls):
     return found and (found[0], tuple(found[1]))
 
 
+def _diff_via_course(calls):
+    """helpers.debug's own diff, its Finding turned into the pair."""
+    from helpers.debug import first_disagreement as course_diff
+    found = course_diff({r: [_Call(c) for c in v] for r, v in calls.items()})
+    return None if found is None else (found.index, found.ranks)
+
+
+class _Call(str):
+    """A string that quacks enough like a CallRecord for the course's diff."""
+
+
 def _diff_by_columns(calls):
     """Another right diff: pad every list with None, then read column by column."""
     ranks = sorted(calls)
@@ -171,4 +238,26 @@ class TestChapter18Diff(ChapterChecks):
               says="expected None"),
         Wrong("first_disagreement", _diff_ranks_as_tuple, "ranks as a tuple",
               says="a list of ints"),
+        Wrong("first_disagreement", _diff_via_course, "the course's diff, converted",
+              says="switched off in this check"),
     ]
+
+
+def test_batch_plants_the_lab_nan_and_hides_other_ranks_data():
+    """The lab's data: rank 2's batch at step 1 holds the NaN, the others are clean and
+    equal to the reference's; inside a job a rank may read only its own batch and shard."""
+    x, _ = batch(2, 1)
+    assert torch.isnan(x[0, 0]) and not torch.isnan(x[1:]).any()
+    assert torch.equal(batch(0, 1)[0], ch18._clean_batch(0, 1)[0])
+
+    def other_ranks_batch():
+        import torch.distributed as dist
+        from helpers.checks.ch18 import batch
+        try:
+            batch((dist.get_rank() + 1) % 3, 0)
+        except RuntimeError as exc:
+            return str(exc)
+        return "read"
+
+    said = launch(other_ranks_batch, 3)
+    assert all("sees only its own data" in s for s in said), said

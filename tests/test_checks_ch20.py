@@ -111,10 +111,21 @@ def _pairs_only(dims, sizes, axis):   # a group of 2 hard-coded, stride right
                    and r + stride < world])
 
 
-def _tensor_groups(dims, sizes, axis):
+def _tensor_groups(dims, sizes, axis):   # the right groups, as tensors
     import torch
-    from helpers.checks.ch20 import reference_axis_groups
-    return [torch.tensor(g) for g in reference_axis_groups(dims, sizes, axis)]
+    mesh = torch.arange(int(torch.tensor(sizes).prod())).reshape(sizes)
+    d = dims.index(axis)
+    return list(mesh.movedim(d, -1).reshape(-1, sizes[d]))
+
+
+def _via_chapter_06(n, dp, tp, pp, zero):   # chapter 06's formula, one call
+    from helpers.memory import model_state_bytes
+    return model_state_bytes(n / (tp * pp), dp=dp, zero_stage=zero).total / GB
+
+
+def _via_mesh(dims, sizes, axis):   # helpers.mesh does the arithmetic
+    from helpers.mesh import axis_groups
+    return axis_groups(axis, dims, dict(zip(dims, sizes)))
 
 
 class TestChapter20(ChapterChecks):
@@ -136,6 +147,15 @@ class TestChapter20(ChapterChecks):
         Wrong("model_state", _no_model_parallel_split, "tp x pp split forgotten",
               says="expected"),
         Wrong("model_state", _gib, "GiB instead of GB", says="expected"),
+        Wrong("model_state", _via_chapter_06, "chapter 06's model_state_bytes called",
+              says="switched off in this check"),
+        Wrong("axis_groups", _via_mesh, "helpers.mesh.axis_groups called",
+              says="switched off in this check"),
+        Wrong("axis_groups", lambda d, s, a: ch20.reference_axis_groups(d, s, a),
+              "the check's own reference returned", says="this check's reference"),
+        Wrong("choose_layout", lambda m, b, g, t: ch20.lowest_rung_within(
+              [(r, p.best if p.ranked else None) for r, p in ladder(m, b, g, t)], 0.05) and None,
+              "the check's own rule called", says="this check's reference"),
         Wrong("capstone_verdict", lambda r: int(r.max_grad_diff <= r.bound and all(
               abs(a - b) <= r.bound for a, b in zip(r.losses, r.reference_losses))
               and len(r.losses) == len(r.reference_losses)), "returns an int",
@@ -180,4 +200,15 @@ class TestChapter20(ChapterChecks):
         Wrong("capstone_verdict",
               lambda r: r.losses == r.reference_losses and r.max_grad_diff == 0,
               "exact equality, no bound", says="within the bound"),
+        Wrong("capstone_verdict",
+              lambda r: len(r.losses) == len(r.reference_losses)
+              and r.max_grad_diff <= r.bound * abs(r.reference_losses[0])
+              and all(abs(a - b) <= r.bound * abs(b)
+                      for a, b in zip(r.losses, r.reference_losses)),
+              "the bound taken as relative to the loss", says="absolute"),
+        Wrong("capstone_verdict",
+              lambda r: len(r.losses) == len(r.reference_losses) and r.max_grad_diff <= r.bound
+              and sum(abs(a - b) for a, b in zip(r.losses, r.reference_losses))
+              / len(r.losses) <= r.bound,
+              "the mean difference over the steps", says="the others equal"),
     ]

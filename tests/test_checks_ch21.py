@@ -55,6 +55,33 @@ def _halves(rows, counts, group):
     return received, recv_counts.view(P, -1)
 
 
+def _course_router(logits, k, capacity):  # the chapter's helpers, one call each
+    from helpers.moe import capacity_keep, route
+    _, gates, experts = route(logits.float(), k)
+    return gates, experts, capacity_keep(experts, logits.size(1), capacity)
+
+
+def _course_exchange(rows, counts, group):  # the chapter's exchange_splits for the counts
+    from helpers.moe import exchange_splits
+    P = dist.get_world_size(group)
+    recv_counts = exchange_splits(counts, group)
+    received = rows.new_empty(int(recv_counts.sum()), rows.size(1))
+    dist.all_to_all_single(received, rows, recv_counts.sum(1).tolist(),
+                           counts.view(P, -1).sum(1).tolist(), group=group)
+    return received, recv_counts
+
+
+def _no_group(rows, counts, group):  # right, but every collective on the whole world
+    P = dist.get_world_size(group)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    recv_counts = recv_counts.view(dist.get_world_size(), -1)
+    send = counts.view(P, -1).sum(1).tolist()
+    received = rows.new_empty(int(recv_counts.sum()), rows.size(1))
+    dist.all_to_all_single(received, rows, recv_counts.sum(1).tolist(), send)
+    return received, recv_counts
+
+
 def _no_gates(out, token_ids, gates, T):
     return out.new_zeros(T, out.size(1)).index_add_(0, token_ids, out)
 
@@ -88,6 +115,13 @@ class TestChapter21(ChapterChecks):
         Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, dim=0),
               "softmax over the tokens", says="experts differ"),
         Wrong("route_top_k", lambda lg, k, c: None, "returns None", says="must return"),
+        Wrong("route_top_k", _course_router, "calls helpers.moe.route + capacity_keep",
+              says="switched off in this check"),
+        Wrong("route_top_k", lambda lg, k, c: ch21._ref_route(lg.float(), k, c),
+              "returns the check's own reference", says="this check's reference"),
+        Wrong("dispatch", _course_exchange, "calls helpers.moe.exchange_splits",
+              says="switched off in this check"),
+        Wrong("dispatch", _no_group, "collectives without group=", says="two EP groups of 2"),
         Wrong("dispatch", _halves, "two halves hard-coded", says=None),
         Wrong("dispatch", _no_exchange, "receive sizes guessed, counts not exchanged",
               says="Exchange the counts first"),

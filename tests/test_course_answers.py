@@ -52,3 +52,17 @@ def test_a_function_with_a_closure_is_refused_too():
         assert inner(1) == 4
     finally:
         del sys.modules[module.__name__]
+
+
+def test_a_cached_function_is_refused_even_for_a_result_it_cached_and_each_reason_is_said():
+    from helpers.costs.network import placement
+    from helpers.topology import a100_cluster
+
+    topo = a100_cluster(2)
+    before = placement(topo, 16)          # now in placement's lru_cache
+    with refusing({"helpers.costs.network.placement": "build it yourself"}, "ring_seconds"):
+        with pytest.raises(CourseAnswerUsed, match="ring_seconds called helpers.costs.network"
+                                                   ".placement, switched off in this check: "
+                                                   "build it yourself"):
+            placement(topo, 16)
+    assert placement(topo, 16) == before

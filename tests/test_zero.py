@@ -1036,3 +1036,29 @@ def test_reduce_scatters_go_in_one_order_whatever_order_gradients_arrive(stage):
     assert all(a != b for a, b in zip(results[0]["arrivals"], results[1]["arrivals"]))
     if stage == 2:  # ... and in many orders
         assert len(set(results[0]["arrivals"])) > steps // 2
+
+
+def _calls_after_one_step(stage):
+    model = build_model("toy", seed=0)
+    opt = ZeroOptimizer(model, stage)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank_info().rank))
+    model(x, x)[1].backward()
+    opt.step()
+    return opt.comm_calls(), opt.comm_bytes(), len(opt.partition.buckets)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_comm_calls_count_what_comm_bytes_prices(stage):
+    """One collective per bucket and phase (chapter 14 prints these): DP one all-reduce of
+    the flat buffer; stage 1 a reduce-scatter and an all-gather per bucket; stage 2 the same,
+    the reduce-scatters in backward; stage 3 a gather per unit per use and a reduce-scatter
+    per unit. Every kind priced by comm_bytes is counted, and nothing else."""
+    calls, sent, buckets = launch(_calls_after_one_step, 2, stage)[0]
+    assert set(calls) - {"total"} == set(sent) - {"total"}
+    assert calls["total"] == sum(v for k, v in calls.items() if k != "total")
+    if stage == 0:
+        assert calls == {"all_reduce": 1, "total": 1}
+    elif stage in (1, 2):
+        assert calls["reduce_scatter"] == calls["all_gather"] == buckets
+    else:   # each unit gathered for its forward and again for its backward (tied: more)
+        assert calls["reduce_scatter"] == buckets and calls["all_gather"] >= 2 * buckets

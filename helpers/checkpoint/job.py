@@ -28,20 +28,45 @@ import time
 
 import torch
 
-__all__ = ["run_torchrun"]
+__all__ = ["run_torchrun", "start_torchrun", "TorchrunJob"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_torchrun(directory: str, result: str, steps: int = 6, kill_in_save: str | None = "4:1",
-                 nproc: int = 2, max_restarts: int = 2, timeout: float = 180.0) -> dict:
-    """Run the job under torchrun (CPU, gloo, 127.0.0.1); never longer than ``timeout``.
+class TorchrunJob:
+    """A torchrun job started in the background (``start_torchrun``): ``wait()`` returns
+    what ``run_torchrun`` returns. Its processes are one session, killed on a timeout."""
 
-    Returns {"returncode", "seconds", "log": torchrun's output, "result": rank 0's
-    result (None if the job failed)}."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    def __init__(self, proc: subprocess.Popen, result: str, timeout: float, t0: float):
+        self.proc, self.result, self.timeout, self.t0 = proc, result, timeout, t0
+
+    def wait(self) -> dict:
+        """Block until the job ends (at most ``timeout`` seconds after it started)."""
+        left = max(1.0, self.timeout - (time.perf_counter() - self.t0))
+        try:
+            log, _ = self.proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            log, _ = self.proc.communicate()
+            raise TimeoutError(f"torchrun did not finish within {self.timeout:g} s; its "
+                               f"output:\n{log}")
+        code = self.proc.returncode
+        out = torch.load(self.result, weights_only=True) if code == 0 else None
+        return {"returncode": code, "seconds": time.perf_counter() - self.t0, "log": log,
+                "result": out}
+
+
+def start_torchrun(directory: str, result: str, steps: int = 6,
+                   kill_in_save: str | None = "4:1", nproc: int = 2, max_restarts: int = 2,
+                   timeout: float = 180.0) -> TorchrunJob:
+    """Start the job under torchrun (CPU, gloo, 127.0.0.1) and return at once; the job
+    runs while the caller does other work (its processes mostly start up: Python and
+    torch, for the agent and, twice, for each worker). ``TorchrunJob.wait()`` for the
+    outcome, bounded by ``timeout`` from now."""
+    cmd = [sys.executable, "-m", "helpers.checkpoint.job", "--torchrun", "--standalone",
            f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
-           "-m", "helpers.checkpoint.job", directory, result, "--steps", str(steps)]
+           "--start-method=fork", "--run-path", os.path.abspath(__file__),
+           directory, result, "--steps", str(steps)]
     if kill_in_save:
         cmd += ["--kill-in-save", kill_in_save]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -51,15 +76,17 @@ def run_torchrun(directory: str, result: str, steps: int = 6, kill_in_save: str 
     # start_new_session: on a timeout we kill the agent and its workers as one group
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        raise TimeoutError(f"torchrun did not finish within {timeout:g} s; its output:\n{log}")
-    out = torch.load(result, weights_only=True) if proc.returncode == 0 else None
-    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t0, "log": log,
-            "result": out}
+    return TorchrunJob(proc, result, timeout, t0)
+
+
+def run_torchrun(directory: str, result: str, steps: int = 6, kill_in_save: str | None = "4:1",
+                 nproc: int = 2, max_restarts: int = 2, timeout: float = 180.0) -> dict:
+    """Run the job under torchrun (CPU, gloo, 127.0.0.1); never longer than ``timeout``.
+
+    Returns {"returncode", "seconds", "log": torchrun's output, "result": rank 0's
+    result (None if the job failed)}."""
+    return start_torchrun(directory, result, steps, kill_in_save, nproc, max_restarts,
+                          timeout).wait()
 
 
 def main(argv=None) -> None:
@@ -116,5 +143,23 @@ def _init_group(attempt: int, world: int) -> None:
                             timeout=datetime.timedelta(seconds=90))
 
 
+def torchrun(argv: list[str]) -> None:
+    """torchrun itself (``torch.distributed.run.main``, what the ``torchrun`` command
+    runs) with ``argv``, in a process that has already imported what every worker
+    imports. With ``--start-method=fork --run-path`` torchrun forks each worker from
+    this process and runs the script in it, so a worker, and a restarted one, starts
+    with torch and ``torch._dynamo`` imported (every optimizer's constructor imports
+    the latter) instead of paying a few seconds of CPU to import them again."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    from torch.distributed.run import main as torchrun_main
+
+    import helpers.checkpoint.train  # noqa: F401
+    torchrun_main(argv)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--torchrun"]:
+        torchrun(sys.argv[2:])
+    else:
+        main()

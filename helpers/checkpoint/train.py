@@ -14,7 +14,8 @@ of the epoch), ``"scaler"`` (the loss scale back at its initial value and its
 count of clean steps at 0, so other steps overflow and are skipped).
 ``fp16=True`` (DDP only) runs forward and backward under fp16 autocast with
 ``helpers.precision.DynamicLossScaler``, whose state the checkpoint carries;
-``"stepped"`` in the result says which steps the scaler let through. ``crash`` = (step, rank): that rank SIGKILLs itself right
+``"stepped"`` in the result says which steps the scaler let through (a skipped step
+does not advance the LR schedule either). ``crash`` = (step, rank): that rank SIGKILLs itself right
 after finishing that step, the way a GPU falling off the bus ends a process;
 ``crash_in_save`` = (step, rank): the same in the middle of that step's save,
 once its own file is written and before the manifest. ``extras`` =
@@ -190,13 +191,20 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
         if scaler is None:
             loss.backward()
             opt.step()
+            applied = True
         else:  # DDP has averaged the scaled gradients: every rank sees the same overflow
             scaler.scale(loss).backward()
-            stepped[step + 1] = scaler.step(opt, model.parameters())  # skipped on inf/nan
+            applied = stepped[step + 1] = scaler.step(opt, model.parameters())  # inf/nan: skip
             scaler.update()
         if scheduler is not None:
             opt.zero_grad(set_to_none=True)
-            scheduler.step()
+            # A step the scaler skipped updated nothing, so the schedule does not advance
+            # either (Megatron-LM steps its scheduler only ``if update_successful``:
+            # megatron/training/training.py, train_step, Megatron-Core 0.20.0). Stepping it
+            # anyway would also run torch's scheduler before any optimizer.step(), which
+            # torch warns about, and it would shift the warm-up by one value per skip.
+            if applied:
+                scheduler.step()
         losses[step + 1] = _global_mean(loss.detach())
         samples[step + 1] = _gather_indices(idx.to(device))
         if (step + 1) % save_every == 0:
@@ -219,7 +227,8 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
     else:  # sharded: all-gather the shards
         full = (model if optimizer == "fsdp" else opt).full_parameters()
     return {"start": start, "losses": losses, "samples": samples, "params": full,
-            "skipped": loaded.skipped, "stepped": stepped, "threads": torch.get_num_threads()}
+            "skipped": loaded.skipped, "stepped": stepped, "threads": torch.get_num_threads(),
+            "reads": loaded.reads}
 
 
 def _killer(crash_in_save, step: int, rank: int):

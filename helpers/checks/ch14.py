@@ -26,10 +26,18 @@ from __future__ import annotations
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
+from helpers.checks.groups import GroupWatch as _Watched
+from helpers.checks.course_answers import refusing
 from helpers.tolerance import gamma, reorder_bound
 
 # The lab's AdamW hyperparameters (the check's reference uses the same).
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+
+# the course's own answers to the exercises, switched off while the learner's code runs
+_PARTITION = {"helpers.zero.partition.FlatPartition": "it is the course's answer to this "
+              "exercise: compute the bounds yourself"}
+_ZERO = {"helpers.zero.base.ZeroOptimizer": "", "helpers.zero.stages.ZeroStage2": "",
+         "helpers.zero.sharded.ShardedOptimizer": ""}
 
 SHARD_CASES = [  # (numel, world_size)
     (10, 2), (10, 3), (7, 4), (12, 4), (5, 1), (1, 4), (0, 3), (13, 3),
@@ -43,13 +51,15 @@ def check_shard_bounds(shard_bounds) -> None:
     * rounding the chunk to nearest instead of up: (13, 3) (4.33 -> 4);
     * float bounds (``/`` where ``//`` belongs; 4.0 == 4 would pass a loose compare,
       slicing with it fails): named as a type error;
-    * returns None, a list of the wrong length, or raises: named with the case.
+    * returns None, a list of the wrong length, or raises: named with the case;
+    * ``helpers.zero.FlatPartition`` asked instead: switched off while it runs.
     """
     for numel, n in SHARD_CASES:
         padded = -(-numel // n) * n
         chunk = padded // n
         for r in range(n):
-            got = attempt(shard_bounds, numel, n, r, what=f"shard_bounds({numel}, {n}, {r})")
+            with refusing(exercise="shard_bounds", paths=_PARTITION):
+                got = attempt(shard_bounds, numel, n, r, what=f"shard_bounds({numel}, {n}, {r})")
             want = (r * chunk, (r + 1) * chunk, padded)
             try:
                 got = tuple(got)
@@ -89,57 +99,6 @@ def _groups(split: bool):
         return None, r.world_size, r.rank
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     return pairs[r.rank // 2], 2, r.rank % 2
-
-
-class _Watched:
-    """Inside ``with``: the collectives named in ``refuse`` raise with a reason, and,
-    when a group was given, a flat collective called without ``group=group`` raises
-    before it runs (it would run over the whole world and fail on a size check, or
-    hang, with no word of the cause), on every rank alike.
-
-    ``helpers.comm`` holds torch's reduce-scatter and all-gather under its own names
-    (``_reduce_scatter``, ``_all_gather``), so those are wrapped there too."""
-
-    FLAT = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter",
-            "all_gather_single", "all_gather_into_tensor", "all_gather")
-
-    def __init__(self, group, refuse: dict):
-        self.group, self.refuse, self.saved = group, refuse, []
-
-    def _wrap(self, name, real):
-        import inspect
-
-        sig = inspect.signature(real)
-
-        def collective(*args, **kwargs):
-            if name in self.refuse:
-                raise RuntimeError(f"dist.{name} refused: {self.refuse[name]}")
-            given = sig.bind_partial(*args, **kwargs).arguments.get("group")
-            if self.group is not None and given is not self.group:
-                raise RuntimeError(f"{name} called without group=group: it would run over "
-                                   f"every rank, not this rank's group. Pass group=group to "
-                                   f"every collective, and use dist.get_rank(group) and "
-                                   f"dist.get_world_size(group)")
-            return real(*args, **kwargs)
-        return collective
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        import helpers.comm as comm
-        for name in (*self.FLAT, *self.refuse):
-            if hasattr(dist, name):
-                self.saved.append((dist, name, getattr(dist, name)))
-        for alias, name in (("_reduce_scatter", "reduce_scatter_single"),
-                            ("_all_gather", "all_gather_single")):
-            self.saved.append((comm, alias, getattr(comm, alias)))
-        for mod, name, real in self.saved:
-            setattr(mod, name, self._wrap(name.lstrip("_") if mod is comm else name, real))
-        return self
-
-    def __exit__(self, *exc):
-        for mod, name, real in self.saved:
-            setattr(mod, name, real)
 
 
 _NO_ALL_REDUCE = {"all_reduce": "ZeRO reduce-scatters the gradient: an all-reduce sends "
@@ -388,7 +347,7 @@ def _run_zero2(attach_zero2, split):
 
     for p in params.values():
         p.register_post_accumulate_grad_hook(meter)
-    with _Watched(group, _NO_GATHER):
+    with _Watched(group, _NO_GATHER), refusing(exercise="attach_zero2", paths=_ZERO):
         shards = attach_zero2(model, **({"group": group} if split else {}))
         if not isinstance(shards, dict):
             raise TypeError(f"attach_zero2 must return the dict of shards, got "
@@ -415,7 +374,8 @@ def check_attach_zero2(attach_zero2) -> None:
     * all-reduce then a slice, or an all-gather: refused (named);
     * no padding (``numel // N`` chunks): a shard of the wrong size (named);
     * ignores ``group``: a collective without group= refused before it runs (named);
-    * returns None or not a dict: named; any other exception, as CheckFailed.
+    * returns None or not a dict: named; any other exception, as CheckFailed;
+    * the course's ``ZeroOptimizer`` doing the work: switched off on the ranks.
     """
     for world, split in RUNS:
         res = on_ranks(_run_zero2, world, attach_zero2, split,

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from helpers.checks import CheckFailed, on_ranks, passed
+from helpers.checks.course_answers import refusing
 from helpers.tolerance import within_fp32_noise
 
 
@@ -64,6 +65,11 @@ def make_unit(params: list[nn.Parameter], world_size: int, rank: int, group=None
     return Unit(list(params), full, shard, group)
 
 
+# the course's own answers to the exercises, switched off while the learner's code runs
+_UNIT_HELPERS = {"helpers.comm.alloc_storage": "", "helpers.comm.free_storage": "",
+                 "helpers.unit_gather.start_gather": "", "helpers.unit_gather.UnitBuffer": ""}
+
+
 # A rank error that means the learner used a weight while its storage was freed.
 FREED_HINT = {"storage of size 0": "a weight was used while freed: gather before the module's "
               "forward, and again before its backward (a hook on the forward output)."}
@@ -91,7 +97,8 @@ def _run_gather_free(gather, free, split):
     unit = make_unit([lin.weight, lin.bias], n, rank, group)
     original = unit.full  # what the Linear's parameters view
     states = [is_gathered(unit)]
-    gather(unit)
+    with refusing(exercise="gather/free", paths=_UNIT_HELPERS):
+        gather(unit)
     rebound_by_gather = unit.full is not original
     states.append(original.untyped_storage().nbytes() > 0)
     got = original[:10].clone() if states[-1] else None
@@ -105,9 +112,11 @@ def _run_gather_free(gather, free, split):
     if states[-1]:
         with torch.no_grad():
             original.fill_(-7.0)
-        gather(unit)
+        with refusing(exercise="gather/free", paths=_UNIT_HELPERS):
+            gather(unit)
         regathered = bool((original != -7.0).any())
-    free(unit)
+    with refusing(exercise="gather/free", paths=_UNIT_HELPERS):
+        free(unit)
     states.append(original.untyped_storage().nbytes() > 0)
     return {"states": states, "got": got, "want": want, "weight_ok": weight_ok,
             "rebound": unit.full is not original, "rebound_by_gather": rebound_by_gather,
@@ -129,7 +138,9 @@ def check_gather_free(gather, free) -> None:
       into the gathered buffer is overwritten; named);
     * free keeps the bytes; free rebinds ``unit.full`` to an empty tensor, so the
       parameters' storage is never released: both named;
-    * any exception (None unit fields misused, a shape error): the rank's error.
+    * any exception (None unit fields misused, a shape error): the rank's error;
+    * ``helpers.comm``'s storage helpers or ``helpers.unit_gather`` doing the work:
+      switched off while it runs.
     """
     for world in WORLDS:
         split = world == 4
@@ -310,10 +321,11 @@ def _ref_attach(module: nn.Module, unit: Unit) -> None:
     module.register_forward_hook(post_forward)
 
 
-def _run_post_backward(post_backward, steps):
+def _run_post_backward(post_backward, steps, own_group=False):
     import torch.distributed as dist
 
     from helpers import rank_info
+    from helpers.checks.groups import GroupWatch
     from helpers.data import make_dataset
     from helpers.model import build_model
 
@@ -321,7 +333,11 @@ def _run_post_backward(post_backward, steps):
     N, B = r.world_size, 2
     data = make_dataset(num_sequences=64, seq_len=16)
     model = build_model("toy", seed=0)
-    units = [make_unit(list(b.parameters()), N, r.rank) for b in model.blocks]
+    # own_group: the units' group is a group object of their own (the same ranks), so a
+    # collective that leaves out group=unit.group is seen (it would run on the default
+    # group: the same numbers here, another group of ranks in a real job)
+    group = dist.new_group(list(range(N))) if own_group else None
+    units = [make_unit(list(b.parameters()), N, r.rank, group) for b in model.blocks]
     for blk, u in zip(model.blocks, units):
         _ref_attach(blk, u)
     refused = {
@@ -347,7 +363,8 @@ def _run_post_backward(post_backward, steps):
                 setattr(dist, name, refuse(name))
             comm._all_gather = refuse("all_gather")
             try:
-                out = post_backward(u, _ref_free)
+                with GroupWatch(group, {}), refusing(exercise="post_backward", paths=_UNIT_HELPERS):
+                    out = post_backward(u, _ref_free)
             finally:
                 for name, real in saved.items():
                     setattr(dist, name, real)
@@ -402,10 +419,12 @@ def check_post_backward(post_backward) -> None:
     * no padding / another layout than the unit's: a chunk of the wrong shape at
       3 ranks, or wrong values (named);
     * returns None or the whole buffer: named;
+    * the reduce-scatter without ``group=unit.group`` (on 4 ranks the units have a group
+      object of their own): refused before it runs, named;
     * any exception: the rank's error, as CheckFailed.
     """
     for world in WORLDS:
-        res = on_ranks(_run_post_backward, world, post_backward, 2,
+        res = on_ranks(_run_post_backward, world, post_backward, 2, world == 4,
                        what=f"post_backward on {world} ranks",
                        probe=lambda: post_backward(None, _ref_free), hints=FREED_HINT)
         ref, ref64 = _sgd_reference(2, world)

@@ -24,6 +24,7 @@ import math
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
+from helpers.checks.course_answers import refusing
 from helpers.tolerance import reorder_bound
 
 UNION_CASES = [
@@ -49,10 +50,12 @@ def check_union_length(union_length) -> None:
       (and ``[(0, 4), (1, 2), (3, 5)]``);
     * counting a duplicate span twice: ``[(0, 1), (0, 1)]``;
     * failing on no spans (``max`` of nothing, ``spans[0]``): ``[]`` raises, named;
-    * returns None or a non-number (a list of merged spans): named.
+    * returns None or a non-number (a list of merged spans): named;
+    * ``helpers.overlap.union_length`` itself called: switched off while it runs.
     """
     for spans, want in UNION_CASES:
-        got = attempt(union_length, list(spans), what=f"union_length({spans})")
+        with refusing(exercise="union_length", paths={"helpers.overlap.union_length": ""}):
+            got = attempt(union_length, list(spans), what=f"union_length({spans})")
         try:
             if isinstance(got, (bool, str)):  # float() takes them; the lab wants a number
                 raise TypeError
@@ -70,6 +73,22 @@ def check_union_length(union_length) -> None:
     passed("union length right: overlaps, nesting, touching and unsorted spans")
 
 
+class _PublicFSDP:
+    """What the learner's prefetch is handed: the FSDP wrapper's public face. Its
+    attributes are the wrapper's own; a private one (``fsdp._gather``, a synchronous
+    gather) is refused with a reason, as a rank error the check turns into its message."""
+
+    def __init__(self, fsdp):
+        object.__setattr__(self, "_fsdp", fsdp)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(
+                f"fsdp.{name} is FSDP's own internal, not part of the prefetch contract: start "
+                f"the next unit's gather with fsdp.gather_async(unit), which returns at once")
+        return getattr(object.__getattribute__(self, "_fsdp"), name)
+
+
 def _run_prefetch(prefetch):
     from helpers import rank_info
     from helpers.data import make_dataset
@@ -80,7 +99,17 @@ def _run_prefetch(prefetch):
     r = rank_info()
     data = make_dataset(num_sequences=64, seq_len=16)
     out = {}
-    for name, pf in (("learner", prefetch), ("none", False)):
+    waited = []   # units the learner's prefetch gathered and waited for before returning
+
+    def watched(fsdp, i, phase):
+        before = {id(u): u.gathered for u in fsdp.all_units}
+        with refusing(exercise="prefetch", paths=_PREFETCHERS):
+            prefetch(_PublicFSDP(fsdp), i, phase)
+        # a gather launched here and already waited for: nothing was left to overlap
+        waited.extend(f"{phase} {i}: {u.name}" for u in fsdp.all_units
+                      if u.gathered and not before[id(u)] and u.pending is None)
+
+    for name, pf in (("learner", watched), ("none", False)):
         tl = Timeline()
         model = FSDP(build_model("toy", seed=0, n_layer=3), prefetch=pf, timeline=tl)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -93,7 +122,13 @@ def _run_prefetch(prefetch):
         out[name] = {"events": list(tl.events), "bytes": model.comm_bytes()["total"],
                      "peak": model.peak_gathered_bytes, "weights": model.full_parameters(),
                      "block": model.units[0].full.numel() * 4}
+    out["waited"] = waited
     return out
+
+
+# the course's own answer, switched off while the learner's prefetch runs
+_PREFETCHERS = {"helpers.fsdp.next_unit_prefetch": "it is the course's answer to this "
+                "exercise (FSDP's default prefetch): write it yourself"}
 
 
 def _first(events, lane, name, key="start"):
@@ -113,13 +148,22 @@ def check_prefetch(prefetch) -> None:
       overlap in backward (named);
     * gathers every unit at once: the peak gathered memory (named);
     * prefetches nothing, or the unit that just ran: no overlap in forward (named);
-    * gathers synchronously (fsdp.gather instead of gather_async): no overlap (named);
+    * gathers synchronously (a private ``fsdp._gather``, or gather_async followed by a
+      wait): refused, or seen (the unit's gather finished before prefetch returned), named;
+    * FSDP's own ``next_unit_prefetch`` called: switched off while it runs;
     * changes what is gathered (a wrong unit): training differs (named);
     * any exception: the rank's error, as CheckFailed.
     """
     res = on_ranks(_run_prefetch, PREFETCH_WORLD, prefetch, what="prefetch", timeout=60,
                    probe=lambda: prefetch(None, 0, "forward"))
     for rank, out in enumerate(res):
+        if out["waited"]:
+            raise CheckFailed(f"rank {rank}: your prefetch gathered and then waited for "
+                              f"{out['waited'][0].split(': ')[1]} before returning "
+                              f"({len(out['waited'])} time(s); first at {out['waited'][0]}): "
+                              f"a gather that is complete when prefetch returns has nothing "
+                              f"left to overlap with the current unit's compute. Start it with "
+                              f"fsdp.gather_async(unit) and return")
         mine, base = out["learner"], out["none"]
         for n, w in base["weights"].items():
             if not torch.equal(w, mine["weights"][n]):
@@ -196,7 +240,9 @@ def _run_topk(make_hook):
 
     dist.all_reduce = refuse  # this rank only: it is a fresh process
     r = rank_info()
-    hook = make_hook(TOPK_RATIO)
+    with refusing(exercise="make_hook", paths={"helpers.compression.TopKHook": "it is the course's answer to "
+                              "this exercise: write the hook yourself"}):
+        hook = make_hook(TOPK_RATIO)
     buf = torch.empty(TOPK_NUMEL, device=r.device)  # one bucket buffer, reused every step
     results = []
     for step in range(TOPK_STEPS):
@@ -224,9 +270,12 @@ def check_topk_ef_hook(topk_ef_hook) -> None:
     * k rounded down or to nearest (``int(ratio * n)``, ``round``): 4 entries, not 5;
     * divides by a fixed 2: wrong at 3 and 4 ranks;
     * returns the tensor, not a Future; a Future of None: named;
+    * the course's ``TopKHook`` returned: switched off while it runs;
     * any exception: the rank's error, as CheckFailed.
     """
-    hook = attempt(topk_ef_hook, TOPK_RATIO, what="topk_ef_hook(0.1)")
+    with refusing(exercise="topk_ef_hook", paths={"helpers.compression.TopKHook": "it is the course's answer "
+                                 "to this exercise: write the hook yourself"}):
+        hook = attempt(topk_ef_hook, TOPK_RATIO, what="topk_ef_hook(0.1)")
     if not callable(hook):
         raise CheckFailed(f"topk_ef_hook(ratio) returned {type(hook).__name__}, not a hook")
     for world in TOPK_WORLDS:

@@ -13,8 +13,18 @@ import torch
 import torch.distributed as dist
 
 from helpers.checks import CheckFailed, attempt, expect_close, on_ranks, passed
+from helpers.checks.course_answers import refusing
 
 __all__ = ["check_atomic_save", "check_resume_extras", "check_optimal_interval"]
+
+
+# the course's own answers to the exercises, switched off while the learner's code runs
+_RNG_HELPERS = {"helpers.checkpoint.state.rng_state": "it is the course's answer to this "
+                "exercise: save each generator's state yourself",
+                "helpers.checkpoint.state.set_rng_state": "it is the course's answer to this "
+                "exercise: restore each generator yourself"}
+_INTERVALS = {"helpers.checkpoint.failures.young_interval": "it is the course's answer to "
+              "this exercise: derive it", "helpers.checkpoint.failures.daly_interval": ""}
 
 
 def _advance(sampler, n: int) -> None:
@@ -35,14 +45,16 @@ def _in_process(capture, restore) -> None:
     sampler = ShardedSampler(128, 4, rank=0, world_size=2, seed=1)
     _advance(sampler, 3)
     torch.manual_seed(11); random.seed(11); np.random.seed(11)  # noqa: E702
-    state = attempt(capture, sampler, what="capture_extras")
+    with refusing(exercise="capture/restore", paths=_RNG_HELPERS):
+        state = attempt(capture, sampler, what="capture_extras")
     if not isinstance(state, dict):
         raise CheckFailed(f"capture_extras must return a dict, got {type(state).__name__}")
     want_draws, want_batch = _draws(), next(sampler)
 
     fresh = ShardedSampler(128, 4, rank=0, world_size=2, seed=1)  # a new process: step 0
     torch.manual_seed(99); random.seed(99); np.random.seed(99)  # noqa: E702
-    attempt(restore, state, fresh, what="restore_extras")
+    with refusing(exercise="capture/restore", paths=_RNG_HELPERS):
+        attempt(restore, state, fresh, what="restore_extras")
     got_draws, got_batch = _draws(), next(fresh)
     names = ("torch (dropout masks)", "Python's random", "NumPy's")
     for name, want, got in zip(names, want_draws, got_draws):
@@ -93,7 +105,8 @@ def check_resume_extras(capture, restore) -> None:
     masks), Python's or NumPy's generator forgotten, the sampler restarted at the
     beginning of the epoch, a state that ``torch.load(weights_only=True)`` refuses (a
     NumPy array, with advice), a non-dict from capture, and any exception from the
-    learner's code (as a CheckFailed naming the function)."""
+    learner's code (as a CheckFailed naming the function); the course's ``rng_state`` /
+    ``set_rng_state`` called instead of written: switched off while they run."""
     _in_process(capture, restore)
     with tempfile.TemporaryDirectory() as d:
         res = on_ranks(_bitwise, 2, d, capture, restore, what="the resume with your functions",
@@ -124,10 +137,12 @@ def check_optimal_interval(optimal_interval) -> None:
     Catches: the factor 2 forgotten (sqrt(C M)) or put on the wrong side (sqrt(C M / 2)),
     C / M or M / C under the root, a result rounded to whole seconds or minutes (the
     cases are not perfect squares), a unit converted inside (minutes or hours returned
-    for seconds given: the cases use two scales), and a non-number returned."""
+    for seconds given: the cases use two scales), a non-number returned, and the course's
+    ``failures.young_interval`` called instead of derived (switched off while it runs)."""
     cases = [(60.0, 3 * 3600.0), (1.0, 1000.0), (300.0, 11_137.0), (0.5, 7.0)]
     for cost, mtbf in cases:
-        got = attempt(optimal_interval, cost, mtbf, what="optimal_interval")
+        with refusing(exercise="optimal_interval", paths=_INTERVALS):
+            got = attempt(optimal_interval, cost, mtbf, what="optimal_interval")
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise CheckFailed(f"optimal_interval({cost:g}, {mtbf:g}) returned {got!r}; "
                               f"expected a number of seconds (a float)")
@@ -157,43 +172,187 @@ def _fd_path(fd: int) -> str:
         return f"fd {fd}"
 
 
-def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
-                 slow_commit: float) -> dict:
-    """Rank function: the learner's save with os.fsync and os.rename/os.replace traced.
+# -- a deterministic schedule for the ranks' races ------------------------------------------
+#
+# What a broken save does depends on timing: a rank that returns before the commit, a
+# directory used before rank 0 made it, a manifest written while rank 1 is dying. Left to
+# the scheduler, the same code passes one run and fails the next, naming whichever race
+# it lost. So the check decides the order itself. Each rank publishes what it is doing in
+# a status file (running, blocked in a collective of some group, creating a directory,
+# renaming, done, raised, frozen); a rank about to create a directory or to rename, and a
+# rank about to be killed, first waits until every other rank has gone as far as it can
+# without it: returned, raised, or blocked in a collective that needs a rank that is
+# waiting. Whatever the learner's code does, it then does it in that one order, every run.
 
-    ``kill_rank``: that rank SIGKILLs itself right after the first fsync of a regular
-    file (its data file is durable, the checkpoint is not committed yet).
-    ``slow_commit``: seconds a rename waits before it happens, so that a rank returning
-    before the commit is seen every time, not only when it happens to win a race."""
+_SETTLE_S = 10.0   # a rank that neither returns nor blocks by then is let be (its own bug)
+_COLLECTIVES = ("barrier", "monitored_barrier", "all_gather_object", "gather_object",
+                "broadcast_object_list", "scatter_object_list", "all_reduce", "all_gather",
+                "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
+                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+                "reduce_scatter_single", "all_to_all", "all_to_all_single", "recv")
+
+
+class _Schedule:
+    """One rank's side of the schedule (see above): its status file and the waits.
+
+    A status is a state and the rank's count of collectives entered per group, as JSON:
+    {"state": "running" | "blocked" | "mkdir" | "renaming" | "frozen" | "done" | "raised",
+    "group": the ranks of the collective it is blocked in, "counts": {group: n}}. Counts
+    make "blocked" exact: the i-th collective of a group pairs the i-th of every member,
+    so a rank blocked in its n-th collective of a group waits for a member that has
+    entered fewer than n of them, and for nobody once every member has (a status not yet
+    rewritten after a collective completed reads as blocked, and is not)."""
+
+    def __init__(self, status_dir: str, rank: int, world: int):
+        self.dir, self.rank, self.world = status_dir, rank, world
+        self.real_replace, self.depth = os.replace, 0
+        self.counts: dict[str, int] = {}
+        self.state, self.group = "running", None
+
+    def publish(self, state: str, group: str | None = None) -> None:
+        import json
+        self.state, self.group = state, group
+        path = os.path.join(self.dir, str(self.rank))
+        with open(path + ".tmp", "w") as f:
+            json.dump({"state": state, "group": group, "counts": self.counts}, f)
+        self.real_replace(path + ".tmp", path)
+
+    def states(self) -> dict[int, dict]:
+        import json
+        out = {}
+        for r in range(self.world):
+            try:
+                with open(os.path.join(self.dir, str(r))) as f:
+                    out[r] = json.load(f)
+            except (OSError, ValueError):
+                out[r] = {"state": "running", "group": None, "counts": {}}
+        out[self.rank] = {"state": self.state, "group": self.group, "counts": self.counts}
+        return out
+
+    def wait_for_others(self, settled_states: tuple, waits_for: set[str]) -> None:
+        """Until every other rank is in one of ``settled_states`` or blocked in a
+        collective that waits for a rank in one of the states ``waits_for`` (this rank
+        counts as in them)."""
+        deadline = time.monotonic() + _SETTLE_S
+        while time.monotonic() < deadline:
+            states = self.states()
+            holders = [r for r, st in states.items()
+                       if r == self.rank or st["state"] in waits_for]
+
+            def settled(st):
+                if st["state"] in settled_states:
+                    return True
+                if st["state"] != "blocked":
+                    return False
+                n = st["counts"].get(st["group"], 0)
+                members = {int(x) for x in st["group"].split(",")}
+                # blocked for real: a member it needs has not entered this collective yet
+                return any(h in members and states[h]["counts"].get(st["group"], 0) < n
+                           for h in holders)
+
+            if all(settled(st) for r, st in states.items() if r != self.rank):
+                return
+            time.sleep(0.005)
+
+    def collective(self, name, real):
+        import inspect
+        sig = inspect.signature(real)
+
+        def wrapped(*args, **kwargs):
+            group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+            ranks = (list(range(self.world)) if group is None
+                     else dist.get_process_group_ranks(group))
+            key = ",".join(map(str, ranks))
+            self.depth += 1
+            if self.depth == 1:
+                self.counts[key] = self.counts.get(key, 0) + 1
+                self.publish("blocked", key)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.publish("running")
+        return wrapped
+
+
+# where a rank that creates a directory or renames lets the others be: returned, raised,
+# stopped for good (frozen), or waiting at such a point itself
+_PARKED = ("done", "raised", "frozen", "renaming", "mkdir")
+
+
+def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
+                 status_dir: str) -> dict:
+    """Rank function: the learner's save with os.fsync, os.rename/os.replace and os.mkdir
+    traced, and the ranks' order decided by ``_Schedule``.
+
+    ``kill_rank``: that rank stops at its first fsync of a regular file (its data file is
+    written, not yet durable, the checkpoint not committed), waits until the others have
+    gone as far as they can without it, and SIGKILLs itself."""
     import signal
     import stat
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sched = _Schedule(status_dir, rank, world)
     events: list[tuple] = []
-    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    real_fsync, real_rename, real_replace, real_mkdir = os.fsync, os.rename, os.replace, os.mkdir
 
     def fsync(fd):
-        real_fsync(fd)
         regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        events.append(("fsync", _fd_path(fd) if regular else "<directory>", time.time()))
         if regular and rank == kill_rank:
-            os.kill(os.getpid(), signal.SIGKILL)  # as a GPU falling off the bus ends it
+            # as a GPU falling off the bus: its file written, its fsync never returns
+            sched.publish("frozen")
+            sched.wait_for_others(("done", "raised", "frozen"), {"frozen"})
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_fsync(fd)
+        events.append(("fsync", _fd_path(fd) if regular else "<directory>", time.time()))
 
     def renamer(real):
         def rename(src, dst, *args, **kwargs):
-            time.sleep(slow_commit)
+            sched.publish("renaming")
+            sched.wait_for_others(_PARKED, set(_PARKED) - {"done", "raised"})
+            if not os.path.exists(src) and os.path.exists(dst):
+                raise RuntimeError(f"more than one rank renamed {os.path.basename(src)} to "
+                                   f"{os.path.basename(dst)}: exactly one rank commits")
             real(src, dst, *args, **kwargs)
             events.append(("rename", os.fspath(src), os.fspath(dst), time.time()))
+            sched.publish("running")
         return rename
 
-    os.fsync, os.rename, os.replace = fsync, renamer(real_rename), renamer(real_replace)
+    def mkdir(path, *args, **kwargs):
+        if not os.path.isdir(path):
+            sched.publish("mkdir")
+            sched.wait_for_others(_PARKED, set(_PARKED) - {"done", "raised"})
+        try:
+            return real_mkdir(path, *args, **kwargs)
+        finally:
+            sched.publish("running")
+
+    import torch.distributed.distributed_c10d as c10d
+    saved = [(os, "fsync", real_fsync), (os, "rename", real_rename),
+             (os, "replace", real_replace), (os, "mkdir", real_mkdir)]
+    for module in (dist, c10d):
+        for name in _COLLECTIVES:
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+    wrapped = {}
+    for module, name, real in saved[4:]:
+        wrapped.setdefault(id(real), sched.collective(name, real))
+        setattr(module, name, wrapped[id(real)])
+    os.fsync, os.rename, os.replace, os.mkdir = (fsync, renamer(real_rename),
+                                                 renamer(real_replace), mkdir)
+    sched.publish("running")
+    outcome = "raised"
     try:
         save_fn(directory, step, _payload(rank, step))
+        outcome = "done"
     finally:
-        os.fsync, os.rename, os.replace = real_fsync, real_rename, real_replace
-    final = os.path.join(directory, f"step{step:08d}")
-    return {"events": events, "committed_on_return": os.path.isfile(
-        os.path.join(final, "manifest.json"))}
+        for module, name, real in reversed(saved):
+            setattr(module, name, real)
+        final = os.path.join(directory, f"step{step:08d}")
+        committed = os.path.isfile(os.path.join(final, "manifest.json"))
+        sched.publish(outcome)
+    return {"events": events, "committed_on_return": committed}
 
 
 def _read_checkpoint(final: str, step: int, world: int) -> str | None:
@@ -266,61 +425,94 @@ def _check_order(results: list[dict], directory: str, step: int) -> None:
                           f"until the rename has happened on rank 0")
 
 
+def _killed_save_problem(d: str) -> str | None:
+    """What the killed step-2 save left wrong, with its cause, or None."""
+    import json
+    final = os.path.join(d, "step00000002")
+    if os.path.exists(final):
+        files = sorted(os.listdir(final))
+        listed = []
+        try:
+            with open(os.path.join(final, "manifest.json")) as f:
+                listed = sorted(json.load(f).get("files", {}))
+        except (OSError, ValueError, AttributeError):
+            pass
+        if "rank1.bin" in listed:
+            return (f"rank 1 was killed at its step-2 fsync (its file written, never made "
+                    f"durable), yet step00000002 was committed with a manifest that lists "
+                    f"rank1.bin: the checksums were collected before every rank's file was "
+                    f"durable. Gather them after each rank's fsync has returned, and commit "
+                    f"only then")
+        return (f"rank 1 was killed at its step-2 fsync, before any manifest could list its "
+                f"file, and step00000002 exists anyway (holding {files}): a reader would take "
+                f"an incomplete checkpoint for the newest one. Write into "
+                f"step00000002.partial and rename it only when the manifest is durable")
+    if os.path.exists(os.path.join(final + ".partial", "manifest.json")):
+        return ("rank 1 was killed at its step-2 fsync (its file never durable), and "
+                "step00000002.partial already holds a manifest: the manifest must come after "
+                "every rank's file is durable (it is the commit marker where there is no "
+                "atomic rename)")
+    return None
+
+
 def check_atomic_save(atomic_save) -> None:
     """``atomic_save(directory, step, data)`` on every rank: all files durable, the manifest
     last, one rename; a rank killed in the middle leaves the previous checkpoint usable.
 
-    Run 1 (3 ranks, every rename delayed 0.3 s) catches: nothing written, no rename or a
-    rename by every rank, writing straight into the final directory, a rank that skips
-    fsync, a manifest that lists only rank 0's file or a checksum other than sha256 of the
-    bytes, a rename before the manifest is fsynced, ranks that return before the commit.
-    Run 2 (4 ranks: step 1 saved, then rank 1 SIGKILLed right after its step-2 file is
-    fsynced) catches: a world size written into the code (3 in run 1, 4 here), a ``step00000002`` that exists though rank 1 never finished, and a
-    manifest written before every rank's file was durable.
+    The ranks' races are scheduled, not left to chance (``_Schedule``): before a rank
+    creates a directory or renames, and before the killed rank dies, every other rank
+    goes as far as it can without it. The verdict is the same on every run.
+
+    Run 1 (3 ranks) catches: nothing written, no rename or a rename by every rank, writing
+    straight into the final directory, a rank that skips fsync, a manifest that lists only
+    rank 0's file or a checksum other than sha256 of the bytes, a rename before the
+    manifest is fsynced, ranks that return before the commit, ranks that write into a
+    directory another rank has not created yet (FileNotFoundError, named).
+    Run 2 (4 ranks: step 1 saved, then rank 1 stopped at the fsync of its step-2 file and
+    killed) catches: a world size written into the code (3 in run 1, 4 here), a
+    ``step00000002`` that exists though rank 1 never finished, checksums gathered before the
+    files were durable (a manifest naming rank 1's file), and a manifest written early.
     """
     import tempfile
 
     from helpers.launch import RankError, launch
 
-    with tempfile.TemporaryDirectory() as d:
+    hints = {"FileNotFoundError: [Errno 2] No such file or directory": "a rank wrote into a "
+             "directory that did not exist yet: another rank was to create it. Create it on "
+             "every rank (os.makedirs(..., exist_ok=True)), or have the others wait for it "
+             "with a collective"}
+    with tempfile.TemporaryDirectory() as status, tempfile.TemporaryDirectory() as d:
         try:  # a stub fails here, before any rank starts; other errors are expected
             attempt(atomic_save, os.path.join(d, "probe"), 0, b"", what="atomic_save")
         except CheckFailed as exc:  # (no process group in this process)
             if "not implemented" in str(exc):
                 raise
-        results = on_ranks(_traced_save, _SAVE_WORLD, d, 1, atomic_save, None, 0.3,
-                           what=f"atomic_save on {_SAVE_WORLD} ranks", timeout=30)
+        results = on_ranks(_traced_save, _SAVE_WORLD, d, 1, atomic_save, None, status,
+                           what=f"atomic_save on {_SAVE_WORLD} ranks", timeout=30, hints=hints)
         problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _SAVE_WORLD)
         if problem:
             raise CheckFailed(f"after atomic_save(directory, 1, data) on {_SAVE_WORLD} ranks: "
                               f"{problem}")
         _check_order(results, d, 1)
-    with tempfile.TemporaryDirectory() as d:
-        on_ranks(_traced_save, _KILL_WORLD, d, 1, atomic_save, None, 0.0,
-                 what=f"atomic_save on {_KILL_WORLD} ranks", timeout=30)
+    with tempfile.TemporaryDirectory() as status, tempfile.TemporaryDirectory() as d:
+        on_ranks(_traced_save, _KILL_WORLD, d, 1, atomic_save, None,
+                 tempfile.mkdtemp(dir=status), what=f"atomic_save on {_KILL_WORLD} ranks",
+                 timeout=30, hints=hints)
         problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _KILL_WORLD)
         if problem:
             raise CheckFailed(f"after atomic_save(directory, 1, data) on {_KILL_WORLD} ranks: "
                               f"{problem}")
         try:
-            launch(_traced_save, _KILL_WORLD, d, 2, atomic_save, 1, 0.0, timeout=20)
+            launch(_traced_save, _KILL_WORLD, d, 2, atomic_save, 1, tempfile.mkdtemp(dir=status),
+                   timeout=30)
         except RankError:
             pass  # rank 1 was killed: the launch fails, as the job would
         else:
             raise CheckFailed("rank 1 was SIGKILLed in the middle of the step-2 save, yet every "
                               "rank returned: the others must wait for every rank's checksum")
-        final = os.path.join(d, "step00000002")
-        if os.path.exists(final):
-            raise CheckFailed(f"rank 1 was killed right after fsyncing its step-2 file, before "
-                              f"the manifest, and {os.path.basename(final)} exists anyway "
-                              f"(holding {sorted(os.listdir(final))}): a reader would take an "
-                              f"incomplete checkpoint for the newest one. Write into "
-                              f"step00000002.partial and rename it only at the end")
-        if os.path.exists(os.path.join(final + ".partial", "manifest.json")):
-            raise CheckFailed("rank 1 was killed right after fsyncing its step-2 file, and "
-                              "step00000002.partial already holds a manifest: the manifest "
-                              "must come after every rank's file is durable (it is the "
-                              "commit marker where there is no atomic rename)")
+        problem = _killed_save_problem(d)
+        if problem:
+            raise CheckFailed(problem)
         problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _KILL_WORLD)
         if problem:
             raise CheckFailed(f"after the killed step-2 save, step 1 is damaged: {problem}")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.checks import CheckFailed, attempt, passed
+from helpers.checks.course_answers import refusing
 from helpers.launch.info import rank_device, rank_info
 
 __all__ = ["BROKEN", "FAULTY_RANK", "show", "run_broken", "recorded_calls",
@@ -23,19 +24,47 @@ __all__ = ["BROKEN", "FAULTY_RANK", "show", "run_broken", "recorded_calls",
 
 WORLD, STEPS, LR = 3, 3, 0.1
 
+# The data the training functions see. The lab's: rank 2's batch at step 1 holds a NaN,
+# rank 1's shard is one batch short. ``check_fixed`` also runs each fix on other data
+# (``_PROFILES``), so that a fix written for this one profile (skip step 1, train 2 steps)
+# is caught; it sets the profile inside the ranks, before calling the fix.
+_DATA = {"corrupt": {(2, 1)}, "shards": {1: STEPS - 1}}
+
+
+def _own(rank: int, what: str) -> None:
+    """Inside a job a rank reads only its own data (no rank knows another's shard)."""
+    if dist.is_available() and dist.is_initialized() and rank != dist.get_rank():
+        raise RuntimeError(f"rank {dist.get_rank()} asked for rank {rank}'s {what}: a rank sees "
+                           f"only its own data; what it must know of the others', it learns "
+                           f"with a collective")
+
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch at ``step``: x [4, 8], y [4] (float64, fixed seed), drawn on
-    the CPU (the same values everywhere) and moved to the calling rank's device."""
+    the CPU (the same values everywhere) and moved to the calling rank's device. Some
+    batches hold a corrupt sample, a NaN (in the lab's data, rank 2's at step 1)."""
+    _own(rank, "batch")
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(4, 8, generator=g, dtype=torch.float64)
     y = x.sum(1) + 0.1 * torch.randn(4, generator=g, dtype=torch.float64)
+    if (rank, step) in _DATA["corrupt"]:
+        x[0, 0] = float("nan")
     return x.to(rank_device()), y.to(rank_device())
 
 
 def n_batches(rank: int) -> int:
-    """Rank 1's shard is one batch short (a dataset that does not split evenly)."""
-    return STEPS - 1 if rank == 1 else STEPS
+    """How many batches rank ``rank``'s shard holds: STEPS, or fewer for a shard of a dataset
+    that does not split evenly (in the lab's data rank 1's is one batch short)."""
+    _own(rank, "shard size")
+    return _DATA["shards"].get(rank, STEPS)
+
+
+def _clean_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` without the ownership rule or the corruption: for the reference."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    y = x.sum(1) + 0.1 * torch.randn(4, generator=g, dtype=torch.float64)
+    return x, y
 
 
 # -- the three broken training functions -------------------------------------------------
@@ -45,9 +74,7 @@ def train_skip_nonfinite() -> torch.Tensor:
     rank, world = dist.get_rank(), dist.get_world_size()
     w = torch.zeros(8, dtype=torch.float64, device=rank_info().device, requires_grad=True)
     for step in range(STEPS):
-        x, y = batch(rank, step)
-        if rank == 2 and step == 1:
-            x[0, 0] = float("nan")          # a corrupt sample
+        x, y = batch(rank, step)            # rank 2's batch at step 1 holds a NaN
         loss = (x @ w - y).pow(2).mean()
         loss.backward()
         if torch.isfinite(loss):
@@ -188,11 +215,16 @@ def check_first_disagreement(first_disagreement) -> None:
       order) instead of by the lowest rank; ranks returned unsorted;
     * a majority vote over missing calls (when most ranks have stopped, the ones that
       stopped are still the ones missing);
-    * loose types: the index must be an int, the ranks a list of ints.
+    * loose types: the index must be an int, the ranks a list of ints;
+    * ``helpers.debug.first_disagreement`` itself called: switched off while it runs.
     """
     for calls, want, why in _DIFF_CASES:
         given = {r: list(v) for r, v in calls.items()}  # the learner may not change ours
-        got = attempt(first_disagreement, given, what=f"first_disagreement({_describe(calls)})")
+        with refusing(exercise="first_disagreement", paths={"helpers.debug.diff.first_disagreement": "it is "
+                                           "the course's answer to this exercise: write the "
+                                           "diff yourself"}):
+            got = attempt(first_disagreement, given,
+                          what=f"first_disagreement({_describe(calls)})")
         if want is None:
             if got is not None:
                 raise CheckFailed(f"first_disagreement({_describe(calls)}) returned {got!r}; "
@@ -244,50 +276,96 @@ def reference(skip: set[int] = frozenset(), steps: int = STEPS) -> torch.Tensor:
         grads = []
         for rank in range(WORLD):
             wr = w.clone().requires_grad_(True)
-            x, y = batch(rank, step)
+            x, y = _clean_batch(rank, step)
             (x @ wr - y).pow(2).mean().backward()
             grads.append(wr.grad)
         w = w - LR * torch.stack(grads).sum(0) / WORLD
     return w
 
 
-# What each fix must reproduce: bug 1 skips step 1 on every rank (rank 2's loss was NaN
-# there); bug 2 changes nothing in the update; bug 3 trains as many steps as the shortest
-# shard has batches (what DistributedSampler(drop_last=True) or Join would give).
-_WANT = {1: dict(skip={1}), 2: {}, 3: dict(steps=STEPS - 1)}
+# The data each fix is run on: the lab's, then one where its answer differs. Bug 1: a NaN
+# on other ranks at other steps (a fix that skips "step 1" fails). Bug 3: shards of 5, 3 and
+# 4 batches, where the shortest (3) is neither the lab's 2 nor the mean rounded down (4),
+# nor what a sum over ranks divided by 3 gives (4).
+_PROFILES = {
+    1: [{"corrupt": {(2, 1)}, "shards": {}}, {"corrupt": {(0, 0), (1, 2)}, "shards": {}}],
+    2: [{"corrupt": set(), "shards": {}}],
+    3: [{"corrupt": set(), "shards": {1: STEPS - 1}}, {"corrupt": set(),
+                                                     "shards": {0: 5, 1: 3, 2: 4}}],
+}
+
+
+def _want(n: int, profile: dict) -> dict:
+    """What fix ``n`` must reproduce on ``profile``: bug 1 skips, on every rank, each step
+    where some rank's loss is NaN; bug 2 changes nothing in the update; bug 3 trains as
+    many steps as the shortest shard has batches (what DistributedSampler(drop_last=True)
+    or Join would give)."""
+    if n == 1:
+        return dict(skip={step for _, step in profile["corrupt"]})
+    if n == 3:
+        return dict(steps=min(profile["shards"].get(r, STEPS) for r in range(WORLD)))
+    return {}
+
+
+def _run_with(profile: dict, fixed):
+    """Rank function: the fix, on ``profile``'s data."""
+    _DATA.update(profile)
+    return fixed()
 
 
 def check_fixed(n: int, fixed) -> None:
     """Your fix of broken function ``n``: runs on 3 ranks without a hang or a mismatch,
     and every rank ends with the reference weights.
 
+    Each fix runs on the lab's data and, for bugs 1 and 3, on data where a fix written for
+    that one case goes wrong (``_PROFILES``). A rank can read only its own batches and
+    shard size (``batch`` and ``n_batches`` refuse another rank's): what it must know of
+    the others' it learns with a collective.
+
     Catches: the broken function itself (the launch fails, with the recorder's diff),
-    a fix that still mismatches or hangs (10 s), a fix 1 that syncs every step (rank 2's
-    NaN reaches every rank) or lets only rank 2 skip, a fix 3 that pads the short shard
-    with zero gradients instead of stopping at the shortest shard, a rank returning
-    something other than its 8 weights."""
+    a fix that still mismatches or hangs (10 s), a fix 1 that syncs every step (the NaN
+    reaches every rank), lets only the NaN's rank skip, or skips a step number written
+    in (step 1); a fix 3 that pads the short shard with zero gradients, stops at a step
+    count written in, or at the mean of the shard sizes (rounded down, or a sum over ranks
+    divided by their number) instead of the minimum; a fix that reads other ranks'
+    data instead of communicating; a rank returning something other than its 8 weights."""
     from helpers.launch import RankError, launch
     if not callable(fixed):
         raise CheckFailed(f"pass your fixed training function, got {type(fixed).__name__}")
-    try:
-        got = launch(fixed, WORLD, record=True, timeout=10)
-    except RankError as err:
-        if err.exc_type == "NotImplementedError":
-            raise CheckFailed(f"fix {n} is not implemented yet") from None
-        raise CheckFailed(f"fix {n} still fails: {_summary(err)}") from None
-    want = reference(**_WANT[n])
-    for rank, w in enumerate(got):
-        if not isinstance(w, torch.Tensor) or w.shape != (8,):
-            raise CheckFailed(f"fix {n}: rank {rank} returned {w!r}, expected the 8 weights")
-        # float64 throughout; the all-reduce may add the 3 gradients in another order
-        # than the reference: each step's error <= 2 eps64 * sum|g_i| (about 1e-15 here),
-        # and 3 steps of lr 0.1 keep it far below 1e-12.
-        if not torch.allclose(w, want, rtol=0, atol=1e-12):
-            diff = (w - want).abs().max().item()
-            hint = {1: "when any rank's loss is not finite, every rank must skip that step "
-                       "(decide with an all-reduce of a flag)",
-                    2: "the update itself was right; every rank must make the same calls",
-                    3: "every rank must train the same number of steps: the shortest shard's"}[n]
-            raise CheckFailed(f"fix {n}: rank {rank}'s weights differ from the reference by "
-                              f"{diff:.3g}: {hint}")
-    passed(f"fix {n}: no hang, no mismatch, and all 3 ranks end with the reference weights")
+    for i, profile in enumerate(_PROFILES[n]):
+        data = ("the lab's data" if i == 0 else
+                f"other data ({_describe_profile(n, profile)})")
+        try:
+            got = launch(_run_with, WORLD, profile, fixed, record=True, timeout=10)
+        except RankError as err:
+            if err.exc_type == "NotImplementedError":
+                raise CheckFailed(f"fix {n} is not implemented yet") from None
+            raise CheckFailed(f"fix {n} still fails on {data}: {_summary(err)}") from None
+        want = reference(**_want(n, profile))
+        for rank, w in enumerate(got):
+            if not isinstance(w, torch.Tensor) or w.shape != (8,):
+                raise CheckFailed(f"fix {n}: rank {rank} returned {w!r}, expected the 8 weights")
+            # float64 throughout; the all-reduce may add the 3 gradients in another order
+            # than the reference: each step's error <= 2 eps64 * sum|g_i| (about 1e-15 here),
+            # and 5 steps of lr 0.1 keep it far below 1e-12.
+            if not torch.allclose(w, want, rtol=0, atol=1e-12):
+                diff = (w - want).abs().max().item()
+                hint = {1: "when any rank's loss is not finite, every rank must skip that "
+                           "step (decide with an all-reduce of a flag), whichever rank and "
+                           "step it is",
+                        2: "the update itself was right; every rank must make the same calls",
+                        3: "every rank must train the same number of steps: the shortest "
+                           "shard's (the minimum over ranks, not a mean)"}[n]
+                raise CheckFailed(f"fix {n} on {data}: rank {rank}'s weights differ from the "
+                                  f"reference by {diff:.3g}: {hint}")
+    passed(f"fix {n}: no hang, no mismatch, and all 3 ranks end with the reference weights"
+           + (f" (on the lab's data and on {len(_PROFILES[n]) - 1} other)"
+              if len(_PROFILES[n]) > 1 else ""))
+
+
+def _describe_profile(n: int, profile: dict) -> str:
+    if n == 1:
+        return "NaNs in " + ", ".join(f"rank {r}'s batch at step {s}"
+                                      for r, s in sorted(profile["corrupt"]))
+    return "shards of " + ", ".join(str(profile["shards"].get(r, STEPS)) for r in range(WORLD)) \
+        + " batches"

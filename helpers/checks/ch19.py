@@ -4,6 +4,7 @@ time one collective of a parallel axis as NCCL prices its ring."""
 from __future__ import annotations
 
 from helpers.checks import CheckFailed, attempt, passed
+from helpers.checks.course_answers import refusing
 from helpers.frameworks import Cluster, Plan, estimate, from_megatron
 from helpers.frameworks.examples import MODELS
 from helpers.memory import GB
@@ -30,6 +31,17 @@ _FLAG_CASES = [
 ]
 
 
+# the course's own answers to the exercises, switched off while the learner's code runs
+_READERS = {"helpers.frameworks.readers.from_megatron": "it is chapter 19's answer to this "
+            "exercise: read the flags yourself"}
+_ESTIMATORS = {"helpers.frameworks.estimate.estimate": "it is chapter 19's answer to this "
+               "exercise: add the terms yourself"}
+_RINGS = {f"helpers.costs.network.{name}": "it is the course's network model, the answer to "
+          "this exercise: build it yourself"
+          for name in ("ring_time", "collective_time", "bus_bandwidth", "ring_latency",
+                       "placement", "nic_share", "_ring")}
+
+
 def _as_args(flags: dict) -> list[str]:
     out = []
     for k, v in flags.items():
@@ -49,10 +61,12 @@ def check_translate(learner_fn) -> None:
     distributed optimizer, not 4 + 12/d); main gradients fp32 for fp16 too (the fp16
     optimizer keeps 16-bit gradients and copies them); a pp of 3 on 24 GPUs so that
     a hard-coded power of two fails; a float count (world / (tp x pp) with /) or an
-    int where a bool belongs, equal by == but not the type the Plan field holds."""
+    int where a bool belongs, equal by == but not the type the Plan field holds;
+    ``from_megatron`` itself called: switched off while it runs."""
     for flags, world in _FLAG_CASES:
         want = from_megatron(_as_args(flags), world)
-        got = attempt(learner_fn, dict(flags), world, what="translate")
+        with refusing(exercise="your reader", paths=_READERS):
+            got = attempt(learner_fn, dict(flags), world, what="translate")
         if not isinstance(got, Plan):
             raise CheckFailed(f"return a Plan, got {type(got).__name__}")
         for f in TRANSLATE_FIELDS:
@@ -112,11 +126,13 @@ def check_per_gpu_memory(learner_fn) -> None:
     the model state not split over tp x pp; 16 bytes per parameter whatever the plan
     (the GPT-3 plans keep fp32 main gradients: 2 + 4 + 12); ZeRO ignored (the ZeRO-1
     and ZeRO-2 plans); Llama 2's layers counted as GPT layers (a 4h GeLU MLP and a
-    key/value pair per head instead of SwiGLU 3.5h and 8 key/value heads)."""
+    key/value pair per head instead of SwiGLU 3.5h and 8 key/value heads); chapter 19's
+    ``estimate`` itself called: switched off while it runs."""
     for what, plan, model, cluster in _memory_cases():
         est = estimate(plan, model, cluster)
         want = est.memory_total
-        got = attempt(learner_fn, plan, model, what="per_gpu_memory")
+        with refusing(exercise="your estimate", paths=_ESTIMATORS):
+            got = attempt(learner_fn, plan, model, what="per_gpu_memory")
         parts = {t.name: t.value for t in est.memory}
         try:
             got = float(got)
@@ -172,15 +188,17 @@ def check_ring_time(ring_seconds) -> None:
     a DGX, 1/8 on a one-NIC PCIe node); the largest per-node count of an uneven group
     instead of the smallest; the all-reduce's 2(P-1)/P for reduce-scatter and
     all-gather; every ring step charged a network latency (only 2(n-1), or n-1, wait
-    for one), or none."""
+    for one), or none; ``helpers.costs.network``'s own functions called instead of
+    built: switched off while it runs."""
     from helpers.costs.network import ring_time
 
     for topo, coll, mb, size, stride in _ring_cases():
         nbytes = mb * 1e6
         case = (f"{coll} of {nbytes:,.0f} bytes over {size} GPUs {stride} apart on "
                 f"{topo.name}")
-        got = attempt(ring_seconds, topo, coll, nbytes, size, stride, what=case)
         want = ring_time(topo, coll, nbytes, size, stride)
+        with refusing(exercise="ring_seconds", paths=_RINGS):
+            got = attempt(ring_seconds, topo, coll, nbytes, size, stride, what=case)
         try:
             ok = abs(float(got) - want) <= 1e-9 * want    # the same formula, another order
         except (TypeError, ValueError):

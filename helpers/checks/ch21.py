@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from helpers.checks import CheckFailed, attempt, on_ranks, passed
+from helpers.checks.course_answers import refusing
 
 # (T, E, k, capacity, seed)
 ROUTE_CASES = [(6, 4, 1, None, 0), (6, 4, 2, None, 1), (16, 4, 1, 3, 2), (16, 4, 2, 5, 3),
@@ -37,6 +38,15 @@ def _tensor(x, what: str) -> torch.Tensor:
         return torch.as_tensor(x)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise CheckFailed(f"{what} must be a tensor, got {type(x).__name__} ({exc})") from None
+
+
+# the course's answers to the exercises, switched off while the learner's code runs
+_ROUTERS = {"helpers.moe.router.route": "", "helpers.moe.router.capacity_keep": "",
+            "helpers.moe.router.capacity_slots": "",
+            "helpers.checks.ch21._ref_route": "it is this check's reference"}
+_DISPATCHERS = {"helpers.moe.dispatch.exchange_splits": "",
+                "helpers.collectives.alltoall.all_to_all": "",
+                "helpers.moe.layer.MoELayer": ""}
 
 
 def _ref_route(logits, k, capacity):
@@ -55,7 +65,9 @@ def check_route_top_k(route_top_k) -> None:
     choice before token 1's first); capacity off by one (slot <= C keeps C + 1);
     experts not best-first; a wrong return shape or type; a softmax in the logits' own
     dtype (the bfloat16 case: its probabilities are off by up to 2^-8, 1e-6 allows
-    float32 rounding only)."""
+    float32 rounding only); the course's own ``helpers.moe.route`` / ``capacity_keep`` /
+    ``capacity_slots`` (or this check's reference) called instead of written: switched
+    off while it runs."""
     _route_cases(route_top_k)
     _bf16_softmax(route_top_k)
     passed("routing right: top-1 raw gates, top-k renormalized, capacity first choices first, "
@@ -65,7 +77,8 @@ def check_route_top_k(route_top_k) -> None:
 def _bf16_softmax(route_top_k) -> None:
     logits = (torch.randn(16, 6, generator=torch.Generator().manual_seed(7)) * 2).bfloat16()
     want_g, _, _ = _ref_route(logits.float(), 2, None)
-    got = attempt(route_top_k, logits.clone(), 2, None, what="route_top_k on bfloat16 logits")
+    with refusing(exercise="route_top_k", paths=_ROUTERS):
+        got = attempt(route_top_k, logits.clone(), 2, None, what="route_top_k on bfloat16 logits")
     if not (isinstance(got, tuple) and len(got) == 3):
         raise CheckFailed("route_top_k must return (gates, experts, keep)")
     g = _tensor(got[0], "gates")
@@ -78,7 +91,8 @@ def _route_cases(route_top_k) -> None:
     for T, E, k, cap, seed in ROUTE_CASES:
         logits = torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * 2
         want_g, want_e, want_keep = _ref_route(logits, k, cap)
-        got = attempt(route_top_k, logits.clone(), k, cap, what="route_top_k")
+        with refusing(exercise="route_top_k", paths=_ROUTERS):
+            got = attempt(route_top_k, logits.clone(), k, cap, what="route_top_k")
         if not (isinstance(got, tuple) and len(got) == 3):
             raise CheckFailed("route_top_k must return (gates, experts, keep)")
         g, e, keep = (_tensor(t, name) for t, name in zip(got, ("gates", "experts", "keep")))
@@ -105,28 +119,35 @@ def _route_cases(route_top_k) -> None:
                               f"{int(want_keep.sum())} kept of {T * k}).{hint}")
 
 
-def _dispatch_rank(dispatch, E, H):
+def _dispatch_rank(dispatch, E, H, split=False):
     import torch.distributed as dist
 
     from helpers import rank_info
     from helpers.moe import exchange_splits
     r = rank_info()
+    group = dist.group.WORLD
+    if split:  # two EP groups of 2, each rank in one: every collective must take group=
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group = pairs[r.rank // 2]
+    P = dist.get_world_size(group)
+    El = E // P
     g = torch.Generator().manual_seed(10 + r.rank)
     # uneven on purpose: what a rank sends differs from what it receives
     counts = torch.randint(0, 4, (E,), generator=g) + torch.arange(E) * (r.rank + 1) % 5
     rows = torch.randn(int(counts.sum()), H, generator=g)
-    want_counts = exchange_splits(counts.clone())
-    P, El = r.world_size, E // r.world_size
+    want_counts = exchange_splits(counts.clone(), group)
     want = torch.empty(int(want_counts.sum()), H)
     dist.all_to_all_single(want, rows, want_counts.sum(1).tolist(),
-                           counts.view(P, El).sum(1).tolist())
-    got = dispatch(rows.clone(), counts.clone(), dist.group.WORLD)
+                           counts.view(P, El).sum(1).tolist(), group=group)
+    with refusing(exercise="dispatch", paths=_DISPATCHERS):
+        got = dispatch(rows.clone(), counts.clone(), group)
     return dict(got=got, want=want, want_counts=want_counts)
 
 
-# (ranks, experts): an odd world (3 ranks, 2 experts each) and 4 ranks, so that two
-# halves hard-coded, or a size that only works for P = 2, fail
-DISPATCH_CASES = [(3, 6), (4, 8)]
+# (ranks, experts, two groups of 2): an odd world (3 ranks, 2 experts each) and 4 ranks,
+# so that two halves hard-coded, or a size that only works for P = 2, fail; then 4 ranks
+# in two EP groups of 2, so that a collective without group= (on every rank) fails
+DISPATCH_CASES = [(3, 6, False), (4, 8, False), (4, 8, True)]
 
 
 def check_dispatch(dispatch) -> None:
@@ -136,23 +157,29 @@ def check_dispatch(dispatch) -> None:
     Mistakes it is built to catch: receive sizes guessed from one's own send sizes
     (the counts not exchanged: gloo aborts, the hint says why); counts exchanged but
     the rows split equally; the experts split into two halves whatever the world
-    size; recv_counts not shaped (P, E/P) by source rank."""
+    size; recv_counts not shaped (P, E/P) by source rank; a collective without
+    ``group=`` (4 ranks in two EP groups of 2: it would pair the wrong ranks); the course's
+    ``exchange_splits`` / ``all_to_all`` (or an ``MoELayer``) called instead of written:
+    switched off on the ranks while it runs."""
     H = 3
     probe_rows = torch.zeros(0, H)
-    for P, E in DISPATCH_CASES:
-        _dispatch_on(dispatch, P, E, H, probe_rows)
-    passed(f"dispatch right: counts exchanged first, variable-split all-to-all on "
-           f"{' and '.join(str(P) for P, _ in DISPATCH_CASES)} ranks")
+    for P, E, split in DISPATCH_CASES:
+        _dispatch_on(dispatch, P, E, H, probe_rows, split)
+    passed("dispatch right: counts exchanged first, variable-split all-to-all on 3 and 4 ranks, "
+           "and in two EP groups of 2")
 
 
-def _dispatch_on(dispatch, P, E, H, probe_rows) -> None:
-    res = on_ranks(_dispatch_rank, P, dispatch, E, H, what=f"dispatch on {P} ranks",
+def _dispatch_on(dispatch, P, E, H, probe_rows, split=False) -> None:
+    where = f"{P} ranks" + (" in two EP groups of 2" if split else "")
+    res = on_ranks(_dispatch_rank, P, dispatch, E, H, split, what=f"dispatch on {where}",
                    probe=lambda: dispatch(probe_rows, torch.zeros(E, dtype=torch.long), None),
                    hints={"SIGABRT": "gloo aborts when an all-to-all receives more or fewer "
                           "bytes than the sender sends. Exchange the counts first and size "
                           "each receive from what that rank sends you, not from what you send.",
                           "split": "exchange the counts first: the receive sizes are the "
-                          "other ranks' send sizes."}, timeout=30)
+                          "other ranks' send sizes.",
+                          "group": "pass group=group to every collective: the EP group is "
+                          "not the whole world"}, timeout=30)
     for r, out in enumerate(res):
         got = out["got"]
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -161,14 +188,14 @@ def _dispatch_on(dispatch, P, E, H, probe_rows) -> None:
         rc, want_rc = _tensor(recv_counts, "recv_counts"), out["want_counts"]
         if rc.numel() != want_rc.numel() or not torch.equal(rc.reshape(want_rc.shape).long(),
                                                             want_rc):
-            raise CheckFailed(f"{P} ranks, {E} experts, rank {r}: recv_counts "
+            raise CheckFailed(f"{where}, {E} experts, rank {r}: recv_counts "
                               f"{torch.as_tensor(recv_counts).tolist()}, "
                               f"expected {out['want_counts'].tolist()}: row q is what rank q "
                               f"sends to each of my experts. Exchange the counts first.")
         # the same floats moved, not computed: exact equality
         if tuple(received.shape) != tuple(out["want"].shape) or \
                 not torch.equal(received, out["want"]):
-            raise CheckFailed(f"{P} ranks, {E} experts, rank {r}: received rows differ "
+            raise CheckFailed(f"{where}, {E} experts, rank {r}: received rows differ "
                               f"(shape {tuple(received.shape)}, "
                               f"expected {tuple(out['want'].shape)}). Split the send by "
                               f"destination rank (E/P experts each) and size the receive "

@@ -61,16 +61,25 @@ def _raising_code(nfree: int, message: str) -> types.CodeType:
 
 
 @contextlib.contextmanager
-def refusing(paths: list[str] | tuple[str, ...], exercise: str,
+def refusing(paths: list[str] | tuple[str, ...] | dict[str, str], exercise: str = "your code",
              instead: str = "write it yourself: the exercise is that code") -> Iterator[None]:
     """While the block runs, calling any object named in ``paths`` (dotted import
-    paths of functions or classes) raises ``CourseAnswerUsed``:
-    '<exercise> called <path>, the course's own answer: <instead>'."""
+    paths of functions or classes) raises ``CourseAnswerUsed``: '<exercise> called
+    <path>, switched off in this check: the course's own answer: <instead>'. ``paths``
+    may be a dict of path to its own reason (an empty one says the default)."""
     restore: list = []
+    reasons = paths if isinstance(paths, dict) else dict.fromkeys(paths, "")
+    default = f"the course's own answer: {instead}"
     try:
-        for path in paths:
+        for path, why in reasons.items():
             obj = _resolve(path)
-            message = f"{exercise} called {path}, the course's own answer: {instead}"
+            if hasattr(obj, "cache_clear"):
+                # functools.lru_cache: a cached result would skip the swapped code
+                obj.cache_clear()
+                restore.append(("cache", obj, None, None))
+                obj = obj.__wrapped__
+            message = (f"{exercise} called {path}, switched off in this check: "
+                       f"{why or default}")
             if isinstance(obj, type):
                 had = "__init__" in vars(obj)
                 old = vars(obj).get("__init__")
@@ -93,6 +102,8 @@ def refusing(paths: list[str] | tuple[str, ...], exercise: str,
         for kind, obj, a, b in reversed(restore):
             if kind == "function":
                 obj.__code__ = a
+            elif kind == "cache":
+                obj.cache_clear()  # nothing the refused calls left behind
             elif a:
                 obj.__init__ = b
             else:

@@ -9,7 +9,10 @@
                           weights (dp x cp; for experts dp x cp / ep)
     activations           ``helpers.memory.activation_bytes_model`` (Korthikanti et
                           al. 2022, Table 2 and sec. 4.2.3; ch. 06, 10, 13) on the
-                          first pipeline stage, seq / cp tokens, doubled in fp32
+                          first pipeline stage, seq / cp tokens, doubled in fp32;
+                          given the step's micro-batches per replica, the stage
+                          holds no more of them than the step has (sec. 4.2.3
+                          counts p in flight, which assumes at least p)
     gathered layers       ZeRO-3 (ch. 15): one layer all-gathered in the compute
                           dtype, plus the next one when the gather is prefetched
     layer_activation_bytes  one layer of the model's own shapes: Korthikanti's
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from helpers.memory import (activation_bytes_model, activation_bytes_per_layer,
                             model_state_bytes)
+from helpers.validate import positive_int
 
 if TYPE_CHECKING:
     from helpers.modelspec import ModelSpec
@@ -99,7 +103,8 @@ def model_state(model: "ModelSpec", model_parallel: int, shard: int, zero: int, 
 @functools.lru_cache(maxsize=None)
 def activations(model: "ModelSpec", seq: int, micro_batch: int, tp: int, pp: int,
                 sequence_parallel: bool, recompute: str, interleave: int = 1,
-                precision: str = "bf16", own_shapes: bool = False) -> float:
+                precision: str = "bf16", own_shapes: bool = False,
+                micro_batches: int | None = None) -> float:
     """Korthikanti et al. 2022's count (``activation_bytes_model``) for the first
     stage of ``stage_layers`` x pp layers, ``seq`` tokens a rank (seq / cp), in
     16 bits (twice that in fp32). The formula is a GPT layer (4h GeLU MLP, a key
@@ -107,18 +112,35 @@ def activations(model: "ModelSpec", seq: int, micro_batch: int, tp: int, pp: int
     MLP width and gating and its key/value heads instead
     (``layer_activation_bytes``: a SwiGLU MLP keeps 6 sbf, grouped-query K and V
     kv_heads / heads of 4 sbh); the planner and chapter 19's estimate pass True.
-    The embedding and output-layer terms are the same either way."""
-    act = activation_bytes_model(seq, micro_batch, model.hidden, model.heads,
-                                 stage_layers(model, pp) * pp, tp=tp, pp=pp,
-                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                 vocab=model.vocab, interleave=interleave)
+    The embedding and output-layer terms are the same either way.
+
+    ``micro_batches``: the micro-batches one replica runs per step (m). Sec. 4.2.3's
+    first stage holds p micro-batches of its layers (1F1B's warm-up), p (1 + (p-1) /
+    (p v)) with v interleaved chunks: Megatron-Core's first stage runs 2 (p - 1) +
+    (v - 1) p warm-up forwards, then one more before its first backward, p v + p - 1
+    chunks (Megatron-Core 0.20.0, ``pipeline_parallel/schedules.py``,
+    ``get_pp_rank_microbatches``), and caps the warm-up at the step's m v chunks. So
+    with m < p + (p - 1) / v the stage holds all m: every forward of the step runs
+    before its first backward (m = 16 micro-batches on 16 stages, v = 8: 128 chunks,
+    not 143). None: the paper's count, m taken to be large."""
+    layers = stage_layers(model, pp) * pp
+    act = activation_bytes_model(seq, micro_batch, model.hidden, model.heads, layers,
+                                 tp=tp, pp=pp, sequence_parallel=sequence_parallel,
+                                 recompute=recompute, vocab=model.vocab, interleave=interleave)
+    in_flight = 1 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0  # sec. 4.2.3
+    held = in_flight                 # micro-batches of the stage's layers, in units of p
+    gpt = activation_bytes_per_layer(seq, micro_batch, model.hidden, model.heads, tp=tp,
+                                     sequence_parallel=sequence_parallel, recompute=recompute)
+    if micro_batches is not None:
+        positive_int("micro_batches", micro_batches)
+        held = min(in_flight, micro_batches / pp)
+        # what the paper's count holds beyond the step's micro-batches: the layers' part
+        # and the embedding's dropout mask (sbh per micro-batch, /t with SP)
+        sbh = seq * micro_batch * model.hidden / (tp if sequence_parallel else 1)
+        act -= gpt * layers * (in_flight - held) + sbh * (pp - min(pp, micro_batches))
     if own_shapes:
-        gpt = activation_bytes_per_layer(seq, micro_batch, model.hidden, model.heads, tp=tp,
-                                         sequence_parallel=sequence_parallel,
-                                         recompute=recompute)
         own = layer_activation_bytes(model, seq, micro_batch, tp, sequence_parallel, recompute)
-        in_flight = 1 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0  # sec. 4.2.3
-        act += (own - gpt) * stage_layers(model, pp) * pp * in_flight
+        act += (own - gpt) * layers * held
     return act * (2 if precision == "fp32" else 1)
 
 

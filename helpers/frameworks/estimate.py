@@ -15,7 +15,8 @@ memory (bytes on the busiest GPU, the first pipeline stage)
     activations                        ``costs.activations`` (Korthikanti et al.
         2022, Table 2 and sec. 4.2.3; ch. 06, 10, 13) on seq / cp tokens, with TP,
         SP, recompute and interleaving, each layer with the model's own MLP
-        (SwiGLU or GeLU, its width) and key/value heads
+        (SwiGLU or GeLU, its width) and key/value heads, at most the plan's
+        micro-batches per replica (its gradient accumulation) in flight
 
 communication (bytes each GPU sends per step, seconds of its collectives:
 ``helpers.costs.axes``, each collective on NCCL's ring as ``costs.network``
@@ -200,7 +201,8 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster,
         memory.append(Term("gathered layers", costs.gathered_layers(m, p.tp, units, p.precision),
                            "15", f"{units} layer(s) all-gathered at a time"))
     act = costs.activations(m, s_local, p.micro_batch, p.tp, p.pp, p.sequence_parallel,
-                            p.recompute, p.vpp, p.precision, own_shapes=True)
+                            p.recompute, p.vpp, p.precision, own_shapes=True,
+                            micro_batches=p.grad_accum)
     memory.append(Term("activations", act, "06, 10, 13",
                        f"Korthikanti's terms, this model's MLP and K/V, recompute={p.recompute}"
                        + (", SP" if p.sequence_parallel else "")))

@@ -113,6 +113,7 @@ class MoEStats:
     recv_splits: list = dataclasses.field(default_factory=list)  # rows from each rank
     remote_rows: torch.Tensor | None = None  # padded mode: kept rows sent to other ranks
     row_bytes: int = 0                        # padded mode: bytes of one row
+    experts: torch.Tensor | None = None       # (T, k) the router's choices, best first
 
     # Counts read on the host are properties, computed when read: inside the step they
     # would make the CPU wait for the GPU once per layer (reading them afterwards costs
@@ -177,7 +178,7 @@ class MoELayer(nn.Module):
         kept = slots < C if C is not None else torch.ones_like(slots, dtype=torch.bool)
         stats = MoEStats(
             tokens_per_expert=torch.bincount(experts.reshape(-1), minlength=cfg.num_experts),
-            kept=kept, capacity=C,
+            kept=kept, capacity=C, experts=experts.detach(),
             aux_loss=load_balancing_loss(probs, experts, cfg.num_experts),
             z_loss=router_z_loss(logits))
 

@@ -18,8 +18,9 @@ recorded as its reason (``Candidate.rule``, ``Candidate.reason``):
                                 layers + 2, Llama 3's embedding and loss
                                 stages), seq % cp, experts % ep (ch. 08-12, 21)
     3. batch divides            global batch % dp, then % micro-batch (ch. 05)
-    4. memory fits              weights + grads + optimizer + activations
-                                <= ``memory_fraction`` of the GPU (ch. 06, 13, 14)
+    4. memory fits              weights + grads + optimizer (+ ZeRO-3's gathered
+                                layers) + activations <= ``memory_fraction`` of
+                                the GPU (ch. 06, 13, 14, 15)
 
 The survivors get a step-time estimate, one term per mechanism, each from the
 course's per-term cost library ``helpers.costs`` (which chapter 19's
@@ -64,9 +65,10 @@ gemm_table="h100")`` puts that back for the layers' weight GEMMs, from
 throughput measured on one H100 (``helpers.costs.gemm``), and keeps the assumed
 MFU for attention's own matmuls and the output layer; memory-bound kernels
 (norms, activations, softmax, the optimizer) stay unpriced either way, so the
-MFU it gives runs above what a real step reaches. Also left out: activations of SwiGLU and
-MoE layers (Korthikanti's count is a GPT layer's), uneven stages beyond the
-embedding/loss rule, ZeRO-3's gathered-weight buffers, communication that
+MFU it gives runs above what a real step reaches. Also left out: an MoE token's k
+experts (its activations count one expert's MLP), uneven stages beyond the
+embedding/loss rule, schedules other than Megatron's (1F1B and interleaved 1F1B
+decide how many micro-batches the first stage holds), communication that
 contends with compute or with other axes on the same NIC, the memory real
 frameworks lose to buffers and fragmentation (``memory_fraction`` reserves a
 share), the value of memory headroom, and stragglers. Real planners (Alpa,

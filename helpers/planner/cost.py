@@ -30,8 +30,10 @@ Each collective is NCCL's ring on its group's placement (``costs.network``):
 a DP group strided across nodes gets one NIC per node, a packed one all of
 them. Memory (``memory_terms``): weights, gradients and optimizer state
 (``costs.model_state``: Rajbhandari et al. 2020, sec. 3.1, ZeRO-sharded over
-dp x cp), activations (``costs.activations``: Korthikanti et al. 2022, sec. 4
-and Table 2, each layer with the model's own MLP and key/value heads) on the
+dp x cp), ZeRO-3's gathered layers (``costs.gathered_layers``, ch. 15: the one
+computing and the prefetched next), activations (``costs.activations``:
+Korthikanti et al. 2022, sec. 4 and Table 2, each layer with the model's own MLP
+and key/value heads, at most the step's micro-batches in flight) on the
 busiest (first) pipeline stage; ``time_terms`` gives the
 seconds per step, by term, as the list above.
 """
@@ -64,19 +66,31 @@ def overlap(lay: Layout) -> dict:
     return {"overlap_grad_reduce": True, "overlap_param_gather": lay.zero >= 1}
 
 
-def memory_terms(model: ModelSpec, lay: Layout) -> tuple:
-    """(weights, grads, optimizer, activations) bytes on the busiest GPU (pipeline
-    stage 0), each cached by ``helpers.costs`` on the few degrees it depends on.
+def memory_terms(model: ModelSpec, lay: Layout, global_batch: int | None = None) -> tuple:
+    """(weights, grads, optimizer, gathered, activations) bytes on the busiest GPU
+    (pipeline stage 0), each cached by ``helpers.costs`` on the few degrees it
+    depends on (``MEMORY_TERMS`` names them in this order).
 
     CP ranks hold the same weights, so ZeRO shards over dp x cp (Megatron's
     distributed optimizer does); each CP rank keeps the activations of seq / cp
     tokens. Experts are split over ep and their state is ZeRO-sharded over the
-    dp x cp / ep ranks that share them."""
+    dp x cp / ep ranks that share them. ZeRO-3 also holds the layers it has
+    all-gathered (``costs.gathered_layers``, ch. 15): the one computing and, with the
+    gather prefetched (``overlap``), the next; 0 at the other stages. ``global_batch``
+    (sequences): the first stage holds no more micro-batches than a replica runs
+    (``costs.activations``' ``micro_batches``); None counts as many as the schedule's
+    warm-up could hold."""
     w, g, o = costs.model_state(model, lay.tp * lay.pp, lay.dp * lay.cp, lay.zero, lay.ep,
                                 costs.MIXED_ADAM)
+    gathered = 0.0
+    if lay.zero == 3:
+        units = 2 if overlap(lay)["overlap_param_gather"] else 1
+        gathered = costs.gathered_layers(model, lay.tp, units, "bf16")
+    m = None if global_batch is None else global_batch // lay.dp // lay.micro_batch
     act = costs.activations(model, model.seq // lay.cp, lay.micro_batch, lay.tp, lay.pp,
-                            lay.tp > 1, lay.recompute, lay.interleave, "bf16", own_shapes=True)
-    return w, g, o, act
+                            lay.tp > 1, lay.recompute, lay.interleave, "bf16", own_shapes=True,
+                            micro_batches=m)
+    return w, g, o, gathered, act
 
 
 @functools.lru_cache(maxsize=None)

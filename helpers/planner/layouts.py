@@ -22,12 +22,13 @@ from helpers.validate import positive_int
 
 __all__ = ["MEMORY_TERMS", "TERMS", "CHAPTER", "Layout", "Candidate"]
 
-MEMORY_TERMS = ("weights", "grads", "optimizer", "activations")
+MEMORY_TERMS = ("weights", "grads", "optimizer", "gathered", "activations")
 TERMS = ("compute", "bubble", "tp_comm", "pp_p2p", "cp_comm", "ep_comm", "dp_comm")
 # where each term is taught
 CHAPTER = {"compute": "01, 13", "bubble": "11-12", "tp_comm": "08-09", "pp_p2p": "11",
            "cp_comm": "10", "ep_comm": "21", "dp_comm": "04, 14-16", "weights": "06, 14",
-           "grads": "06, 14", "optimizer": "06, 14", "activations": "06, 10, 13"}
+           "grads": "06, 14", "optimizer": "06, 14", "gathered": "15",
+           "activations": "06, 10, 13"}
 
 
 # ---------------------------------------------------------------------------

@@ -98,7 +98,8 @@ class Ranking:
             return lines[0] + f"\n  rejected: {e.reason}"
         lines.append(f"  memory per GPU {e.memory_total / GB:6.1f} GB of {self.gpu.memory / GB:g}:")
         for t in MEMORY_TERMS:
-            lines.append(f"    {t:<12}{e.memory[t] / GB:8.2f} GB   (ch. {CHAPTER[t]})")
+            if e.memory.get(t) or t != "gathered":   # ZeRO-3's gathered layers, if any
+                lines.append(f"    {t:<12}{e.memory[t] / GB:8.2f} GB   (ch. {CHAPTER[t]})")
         if self.gemm_table is None:
             lines.append(f"  step time {e.step_time:.3f} s (MFU {e.mfu:.1%}, model FLOPs; the "
                          f"matmuls assumed at {self.mfu:.0%} of peak on the FLOPs executed):")

@@ -80,11 +80,14 @@ def _variant_rule(model: ModelSpec, lay: Layout, global_batch: int) -> tuple[str
 
 def evaluate(model: ModelSpec, layout: Layout, global_batch: int, gpu: GPU, topology: Topology,
              *, mfu: float = 0.5, memory_fraction: float = 0.9,
-             gemm_table: GemmTable | str | None = None) -> Candidate:
+             gemm_table: GemmTable | str | None = None, check_memory: bool = True) -> Candidate:
     """Check one layout and estimate it: the reason it is rejected, or its memory
     and step-time terms. ``memory_fraction``: the share of GPU memory the model may
     use (the rest: CUDA context, communication buffers, fragmentation; ch. 06).
-    ``gemm_table``: see ``plan``."""
+    ``gemm_table``: see ``plan``. ``check_memory=False``: estimate a layout that ran
+    somewhere whatever the memory rule says (a published run the model thinks does
+    not fit): its memory terms are there to compare with the GPU, and its step time
+    is estimated anyway; the other rules still apply."""
     gemm_table = _gemm_table(gemm_table, model, gpu)
     if layout.world != topology.world_size:
         return Candidate(layout, f"dp x tp x pp x cp = {layout.world} is not the "
@@ -94,9 +97,9 @@ def evaluate(model: ModelSpec, layout: Layout, global_batch: int, gpu: GPU, topo
         rule, reason = _variant_rule(model, layout, global_batch)
     if rule:
         return Candidate(layout, reason, rule)
-    mem = dict(zip(MEMORY_TERMS, memory_terms(model, layout)))
+    mem = dict(zip(MEMORY_TERMS, memory_terms(model, layout, global_batch)))
     budget = memory_fraction * gpu.memory
-    if sum(mem.values()) > budget:
+    if check_memory and sum(mem.values()) > budget:
         big = max(mem, key=mem.get)
         return Candidate(layout, f"memory {sum(mem.values()) / GB:.1f} GB > {budget / GB:.1f} GB "
                                 f"usable; largest term: {big} {mem[big] / GB:.1f} GB",

@@ -115,6 +115,8 @@ class ZeroOptimizer:
         self.step_count = 0
         self._comm: dict[str, float] = {}
         self._comm_last: dict[str, float] = {}
+        self._calls: dict[str, int] = {}       # collectives issued, by kind (this step)
+        self._calls_last: dict[str, int] = {}
         self._hooks: list = []  # every hook handle: remove_hooks() takes them all out
         self._grad_chunks = None  # this step's averaged gradient chunks, once reduced
 
@@ -139,7 +141,7 @@ class ZeroOptimizer:
         with torch.no_grad():
             self._broadcast_replicated()
             self._setup()
-        self._comm = {}
+        self._comm, self._calls = {}, {}
         # A weak reference: the model does not keep a removed optimizer alive.
         model._zero_optimizer = weakref.ref(self)
 
@@ -219,6 +221,7 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ step
     def _count(self, op: str, nbytes: int) -> None:
         self._comm[op] = self._comm.get(op, 0.0) + ring_bytes_sent(op, nbytes, self.world)
+        self._calls[op] = self._calls.get(op, 0) + 1
 
     def _averaged_grad_chunks(self) -> list[torch.Tensor]:
         """``_reduce_grads()`` once per step: ``clip_grad_norm_`` and ``step`` share it."""
@@ -305,6 +308,7 @@ class ZeroOptimizer:
         self._publish_weights()
         self.zero_grad()  # 4. the gradients are used up
         self._comm_last, self._comm = self._comm, {}
+        self._calls_last, self._calls = self._calls, {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last ``step()``."""
@@ -319,6 +323,14 @@ class ZeroOptimizer:
         (unused parameters, see ``helpers.zero``), bookkeeping rather than model state."""
         out = dict(self._comm_last)
         out["total"] = sum(self._comm_last.values())
+        return out
+
+    def comm_calls(self) -> dict[str, int]:
+        """Collectives this rank issued in the last step, by kind, plus 'total' (the
+        ones ``comm_bytes`` counts: a stage-3 gather of several units, coalesced, is one).
+        Each pays a collective's fixed latency whatever its size (chapter 03's alpha)."""
+        out = dict(self._calls_last)
+        out["total"] = sum(self._calls_last.values())
         return out
 
     def _optimizer_tensors(self) -> list[torch.Tensor | None]:
@@ -348,6 +360,37 @@ class ZeroOptimizer:
         return ModelStateBytes(params=float(params), grads=float(grads),
                                optimizer=float(optimizer))
 
+    def holdings(self) -> dict[str, list[tuple[int, int]]]:
+        """Which elements of the flat layout (``partition``'s index space, padding included)
+        this rank holds *now*, per state: ``{"weights" | "grads" | "optimizer": [(lo, hi),
+        ...]}``, sorted, merged. Read from the tensors themselves: a flat buffer whose
+        storage has bytes holds every element, a shard this rank's chunk of every bucket,
+        a stage-3 unit its bucket while gathered (its storage is 0 bytes when freed).
+        The picture of chapter 14 (``helpers.drawing.zero``) draws these."""
+        part = self.partition
+        full = [(0, part.total)]
+        mine = [part.shard_range(b, self.shard_rank) for b in part.buckets]
+
+        def held(t):
+            return t is not None and t.untyped_storage().nbytes() > 0
+
+        weights: list[tuple[int, int]] = []
+        if held(getattr(self, "flat_param", None)):
+            weights += full
+        if held(getattr(self, "param_shard", None)):
+            weights += mine
+        for b, u in zip(part.buckets, getattr(self, "units", [])):
+            if held(u.full):
+                weights.append((b.start, b.start + b.padded))
+        grads: list[tuple[int, int]] = []
+        if held(getattr(self, "flat_grad", None)):
+            grads += full
+        if held(getattr(self, "grad_shard", None)):
+            grads += mine
+        optimizer = mine if held(self.exp_avg) else []
+        return {"weights": _merged(weights), "grads": _merged(grads),
+                "optimizer": _merged(optimizer)}
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter, full, in fp32, on the parameters' device: the
@@ -367,3 +410,14 @@ class ZeroOptimizer:
                 p = self.params[i]
                 out[names[id(p)]] = full[off:off + p.numel()].view(p.shape).clone()
         return out
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, overlapping or touching [lo, hi) ranges joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif hi > lo:
+            out.append((lo, hi))
+    return out

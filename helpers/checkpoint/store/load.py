@@ -49,6 +49,9 @@ class Loaded:
     step: int | None
     path: str | None
     skipped: list[str]
+    # what a resharding load read: {sharded key: [(file, lo, hi)]}, the ranges of the
+    # saved pieces this rank copied out (chapter 17's picture of a reshard draws them)
+    reads: dict = dataclasses.field(default_factory=dict)
 
 
 def _sha256_file(path: str) -> str:
@@ -125,8 +128,9 @@ def _check_fits(manifest: dict, like: dict) -> None:
                     f"expects {tuple(leaf.shape)} (a different model config?)")
 
 
-def _assemble(key: str, want: Shard, manifest: dict, files: dict) -> Shard:
-    """Fill [offset, offset + numel) of ``key`` from the saved pieces that overlap it."""
+def _assemble(key: str, want: Shard, manifest: dict, files: dict, reads: dict) -> Shard:
+    """Fill [offset, offset + numel) of ``key`` from the saved pieces that overlap it,
+    noting in ``reads[key]`` each (file, lo, hi) copied."""
     lo, hi = want.offset, want.offset + want.data.numel()
     out = torch.empty(hi - lo, dtype=getattr(torch, manifest["shards"][key]["dtype"][6:]))
     covered = torch.zeros(hi - lo, dtype=torch.bool)
@@ -146,6 +150,7 @@ def _assemble(key: str, want: Shard, manifest: dict, files: dict) -> Shard:
                 f"{layout}, the file holds {found}: the layout table is corrupt")
         out[a - lo:b - lo] = piece.data[a - piece.offset:b - piece.offset]
         covered[a - lo:b - lo] = True
+        reads.setdefault(key, []).append((p["file"], a, b))
     if not covered.all():
         raise CheckpointMismatch(f"{key}: the saved pieces cover {int(covered.sum())} of the "
                                  f"{hi - lo} elements [{lo}, {hi}) asked for")
@@ -158,11 +163,11 @@ def _lookup(tree: Any, key: str) -> Any:
     return decode(tree) if isinstance(tree, dict) else tree
 
 
-def _fill(like: Any, own: Any, path: str, manifest: dict, files: dict) -> Any:
+def _fill(like: Any, own: Any, path: str, manifest: dict, files: dict, reads: dict) -> Any:
     """The saved tree ``own``, with the Shards that ``like`` asks for assembled from
     every file that holds a piece of them (and saved pieces it does not ask for left out)."""
     if isinstance(like, Shard):
-        return _assemble(path, like, manifest, files)
+        return _assemble(path, like, manifest, files, reads)
     if isinstance(like, dict):
         if not isinstance(own, dict):
             raise CheckpointMismatch(f"{path or '/'}: the checkpoint holds a "
@@ -174,14 +179,14 @@ def _fill(like: Any, own: Any, path: str, manifest: dict, files: dict) -> Any:
         # The checkpoint's keys, not the template's: a fresh optimizer's state is
         # empty, the saved one is not. The template adds only its Shard requests.
         # A saved piece this rank did not ask for belongs to another rank's range.
-        out = {k: _fill(like.get(k), v, f"{path}/{k}", manifest, files) for k, v in own.items()
-               if k in like or not _all_shards(decode(v))}
+        out = {k: _fill(like.get(k), v, f"{path}/{k}", manifest, files, reads)
+               for k, v in own.items() if k in like or not _all_shards(decode(v))}
         for k, v in like.items():
             if k not in own:
-                out[k] = _fill(v, None, f"{path}/{k}", manifest, files)
+                out[k] = _fill(v, None, f"{path}/{k}", manifest, files, reads)
         return out
     if isinstance(like, (list, tuple)) and _all_shards(like):
-        return type(like)(_fill(v, None, f"{path}/{i}", manifest, files)
+        return type(like)(_fill(v, None, f"{path}/{i}", manifest, files, reads)
                           for i, v in enumerate(like))
     return decode(own)
 
@@ -232,6 +237,7 @@ def load_latest(directory: str, like: dict | None = None, group=None) -> Loaded:
                  for f in needed}
         own = files[needed[0]] if like is None else files[
             f"rank{rank}.pt" if manifest["world_size"] == world else "rank0.pt"]
-        state = decode(own) if like is None else _fill(like, own, "", manifest, files)
-        return Loaded(state, step, path, skipped)
+        reads: dict = {}
+        state = decode(own) if like is None else _fill(like, own, "", manifest, files, reads)
+        return Loaded(state, step, path, skipped, reads)
     return Loaded(None, None, None, skipped)
