@@ -35,7 +35,8 @@ from helpers.clock import clock_for, elapsed
 from helpers.launch import rank_info
 from helpers.pipeline.schedules import Action
 
-__all__ = ["measured_bubble", "median_bubble", "cpu_share", "time_schedule", "make_schedule",
+__all__ = ["measured_bubble", "median_bubble", "cpu_share", "time_schedule", "time_schedules",
+           "make_schedule",
            "layer_costs", "p2p_latency", "replay"]
 
 
@@ -161,6 +162,14 @@ def time_schedule(kind: str, m: int, v: int = 1, *, engine: str = "ours", size: 
     if return_grads:
         result["grads"] = chunk_grads(chunks)
     return result
+
+
+def time_schedules(runs: list[dict], **common) -> list[dict]:
+    """Rank function: ``time_schedule(**run, **common)`` for each dict of ``runs`` in
+    turn, in one launch (a launch forks and connects the ranks anew; nine runs in one
+    save eight of those). Each run builds its own model and times after its own warm-up
+    step. The results in the order of ``runs``."""
+    return [time_schedule(**run, **common) for run in runs]
 
 
 def stage_compute_seconds(stage, x: torch.Tensor, y: torch.Tensor) -> float:
