@@ -10,7 +10,8 @@
 #   make reset      throw away your changes to the repository's notebooks
 #   make normalize  file names, notebook metadata, START_HERE.ipynb (after adding a chapter)
 #   make test-browser  a real-browser smoke test (needs chromium and playwright)
-#   make test       setup, then the whole suite: pytest on tests/, nbval on course/ and solutions/,
+#   make test       setup, then the whole suite: pytest on tests/ (two workers, TEST_WORKERS),
+#                   then nbval on course/ and solutions/ one notebook at a time,
 #                   every launch under NCCL's rules (COURSE_NCCL_RULES=1, README)
 #                   (not the browser test: it runs only where chromium is, by make test-browser)
 #   make test-newest   the whole suite in .venv-newest, on today's newest releases of
@@ -54,9 +55,19 @@ NEWEST := .venv-newest
 LOCK_FROM ?= $(VENV)
 # On a GPU node: the Python that has the node's torch and the course (pip install -e .[lab,dev]).
 GPU_PYTHON ?= python3
-# The suite, as CI runs it (the browser test has its own target).
-SUITE := tests course solutions -m "not browser" --nbval-lax --nbval-current-env \
-         -p no:cacheprovider --durations=40
+# The suite, as CI runs it (the browser test has its own target), in two parts:
+# tests/ on TEST_WORKERS pytest-xdist workers, a test file per worker (--dist loadfile:
+# a file's tests keep their order and their module fixtures, the site build among them);
+# then the notebooks one at a time, with nothing beside them, so that the times they
+# print and the per-notebook durations are a quiet machine's.
+TEST_WORKERS ?= 2
+SUITE_TESTS := tests -m "not browser" -p no:cacheprovider --durations=30 \
+               -n $(TEST_WORKERS) --dist loadfile
+SUITE_NOTEBOOKS := course solutions --nbval-lax --nbval-current-env -p no:cacheprovider \
+                   --durations=42
+# Both parts run even when the first fails; the exit status is the first failure's.
+SUITE = $(1) -m pytest $(SUITE_TESTS); status=$$?; \
+        $(1) -m pytest $(SUITE_NOTEBOOKS) && exit $$status
 
 .PHONY: setup lab test labs notebooks bench clean my-copy reset normalize test-browser \
         test-newest lock test-gpu site check-labs
@@ -79,7 +90,7 @@ test-newest:
 	$(NEWEST)/bin/python -m pip install -q --upgrade $(TORCH_NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[lab,dev]"
 	$(NEWEST)/bin/python tools/lock.py versions
-	COURSE_NCCL_RULES=1 $(NEWEST)/bin/python -m pytest $(SUITE)
+	export COURSE_NCCL_RULES=1; $(call SUITE,$(NEWEST)/bin/python)
 
 lock:
 	$(LOCK_FROM)/bin/python tools/lock.py write $(CONSTRAINTS)
@@ -96,7 +107,7 @@ test-gpu:
 	@echo "== 1/3 the CUDA tests (pytest -m gpu)"
 	$(GPU_PYTHON) -m pytest tests -m gpu -v -rs -p no:cacheprovider
 	@echo "== 2/3 the suite as CI runs it: CUDA hidden, gloo on the CPU, NCCL's rules on"
-	CUDA_VISIBLE_DEVICES= COURSE_NCCL_RULES=1 $(GPU_PYTHON) -m pytest $(SUITE)
+	export CUDA_VISIBLE_DEVICES= COURSE_NCCL_RULES=1; $(call SUITE,$(GPU_PYTHON))
 	@echo "== 3/3 the notebooks and the lab checks on the GPUs (nccl where a launch has a GPU per rank)"
 	mkdir -p $(dir $(GPU_LOG)) && rm -f $(GPU_LOG)
 	COURSE_LAUNCH_LOG=$(GPU_LOG) $(GPU_PYTHON) -m pytest course solutions tests/test_checks_*.py \
@@ -126,7 +137,7 @@ test-browser: setup
 # node would show appears here too. A learner's own runs are plain gloo.
 test: setup
 	$(BIN)/python tools/lock.py versions
-	COURSE_NCCL_RULES=1 $(BIN)/python -m pytest $(SUITE)
+	export COURSE_NCCL_RULES=1; $(call SUITE,$(BIN)/python)
 
 labs: setup
 	$(BIN)/python tools/nbtool.py labs

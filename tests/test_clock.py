@@ -46,10 +46,14 @@ ALLOWED = {
     ("helpers/checkpoint/async_save.py", "save", "perf_counter"):
         "host stall of a checkpoint save (copy to host memory; disk, not GPU work)",
     ("helpers/checkpoint/async_save.py", "_write", "perf_counter"): "seconds to write a file",
-    ("helpers/checkpoint/job.py", "run_torchrun", "perf_counter"): "wall seconds of a subprocess",
+    ("helpers/checkpoint/job.py", "start_torchrun", "perf_counter"):
+        "start of a torchrun subprocess, for its wall seconds and its timeout",
+    ("helpers/checkpoint/job.py", "wait", "perf_counter"): "the same subprocess's end",
     ("helpers/checks/ch17.py", "fsync", "time"):
         "orders a traced save's file events (fsync, rename): files, not GPU work",
     ("helpers/checks/ch17.py", "rename", "time"): "the same file-event order",
+    ("helpers/checks/ch17.py", "wait_for_others", "monotonic"):
+        "deadline for the other ranks' status files in the atomic-save schedule (files)",
     ("helpers/debug/recorder.py", "begin", "time"):
         "wall-clock stamp of a call for the cross-rank diff (GPU completion: a clock mark)",
     ("helpers/debug/recorder.py", "finish", "time"): "wall-clock stamp of the host return",
