@@ -79,6 +79,8 @@ def test_a_room_solutions_pass_a_slip_fails_exactly_its_exercise_stubs_are_not_a
     assert {r["status"] for r in bob} == {"not attempted"}, bob
 
 
+# Over 15 s by design: the hanging cell must reach check-labs' cell timeout (10 s here),
+# then the run goes on in a fresh process that imports torch again.
 def test_a_hanging_exercise_with_live_ranks_times_out_and_the_next_one_still_runs(tmp_path):
     """Exercise 1 of chapter 03 hangs while two ranks are alive (its cell launches
     ranks that sleep for an hour). The run kills it after the cell timeout, goes on

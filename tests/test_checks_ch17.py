@@ -327,6 +327,8 @@ _RACY = {  # answers whose outcome depends on timing when the ranks are left to 
 }
 
 
+# Up to about 15 s each (the solution's case): ten runs of the check by design, since a
+# verdict that depends on a race shows only over repeated runs.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(_RACY))
 def test_atomic_save_verdict_is_the_same_ten_times(name):

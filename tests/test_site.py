@@ -179,6 +179,8 @@ def test_staging_links_a_chapter_with_its_lab_and_solution_and_back():
     assert "(../labs/21_moe_lab.ipynb)" in solution.cells[0].source
 
 
+# Over 15 s by design: the whole site is built once (sphinx over every notebook and a page
+# per helpers module, make site's own work), and every test of this file reads it.
 @pytest.fixture(scope="session")
 def site() -> pathlib.Path:
     pytest.importorskip("sphinx", reason="the site group is not installed: pip install -e '.[site]'")
