@@ -69,7 +69,7 @@ SUITE_NOTEBOOKS := course solutions --nbval-lax --nbval-current-env -p no:cachep
 SUITE = $(1) -m pytest $(SUITE_TESTS); status=$$?; \
         $(1) -m pytest $(SUITE_NOTEBOOKS) && exit $$status
 
-.PHONY: setup lab test labs notebooks bench clean my-copy reset normalize test-browser \
+.PHONY: setup lab lab-args test labs notebooks bench clean my-copy reset normalize test-browser \
         test-newest lock test-gpu site check-labs
 
 setup: $(STAMP)
@@ -116,6 +116,10 @@ test-gpu:
 
 lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS)
+
+# What make lab passes to JupyterLab (tests/test_browser.py starts it the same way).
+lab-args:
+	@echo $(LAB_ARGS)
 
 # Copies never overwrite: run again after `git pull` to get new chapters only.
 my-copy: setup
