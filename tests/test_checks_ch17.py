@@ -332,7 +332,7 @@ _RACY = {  # answers whose outcome depends on timing when the ranks are left to 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(_RACY))
 def test_atomic_save_verdict_is_the_same_ten_times(name):
-    """The check schedules the ranks' races (helpers.checks.ch17._Schedule): the same
+    """The check schedules the ranks' races (helpers.checks.race_schedule): the same
     code gets the same verdict, naming the same cause, run after run. (Where several ranks
     fail alike, which of them the launch names first may differ, and the temporary
     directory always does: both are left out of the comparison.)"""

@@ -52,7 +52,7 @@ ALLOWED = {
     ("helpers/checks/ch17.py", "fsync", "time"):
         "orders a traced save's file events (fsync, rename): files, not GPU work",
     ("helpers/checks/ch17.py", "rename", "time"): "the same file-event order",
-    ("helpers/checks/ch17.py", "wait_for_others", "monotonic"):
+    ("helpers/checks/race_schedule.py", "wait_for_others", "monotonic"):
         "deadline for the other ranks' status files in the atomic-save schedule (files)",
     ("helpers/debug/recorder.py", "begin", "time"):
         "wall-clock stamp of a call for the cross-rank diff (GPU completion: a clock mark)",

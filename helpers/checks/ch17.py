@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from helpers.checks import CheckFailed, attempt, expect_close, on_ranks, passed
 from helpers.checks.course_answers import refusing
+from helpers.checks.race_schedule import COLLECTIVES, PARKED, RaceSchedule
 
 __all__ = ["check_atomic_save", "check_resume_extras", "check_optimal_interval"]
 
@@ -172,119 +173,12 @@ def _fd_path(fd: int) -> str:
         return f"fd {fd}"
 
 
-# -- a deterministic schedule for the ranks' races ------------------------------------------
-#
-# What a broken save does depends on timing: a rank that returns before the commit, a
-# directory used before rank 0 made it, a manifest written while rank 1 is dying. Left to
-# the scheduler, the same code passes one run and fails the next, naming whichever race
-# it lost. So the check decides the order itself. Each rank publishes what it is doing in
-# a status file (running, blocked in a collective of some group, creating a directory,
-# renaming, done, raised, frozen); a rank about to create a directory or to rename, and a
-# rank about to be killed, first waits until every other rank has gone as far as it can
-# without it: returned, raised, or blocked in a collective that needs a rank that is
-# waiting. Whatever the learner's code does, it then does it in that one order, every run.
-
-_SETTLE_S = 10.0   # a rank that neither returns nor blocks by then is let be (its own bug)
-_COLLECTIVES = ("barrier", "monitored_barrier", "all_gather_object", "gather_object",
-                "broadcast_object_list", "scatter_object_list", "all_reduce", "all_gather",
-                "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
-                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
-                "reduce_scatter_single", "all_to_all", "all_to_all_single", "recv")
-
-
-class _Schedule:
-    """One rank's side of the schedule (see above): its status file and the waits.
-
-    A status is a state and the rank's count of collectives entered per group, as JSON:
-    {"state": "running" | "blocked" | "mkdir" | "renaming" | "frozen" | "done" | "raised",
-    "group": the ranks of the collective it is blocked in, "counts": {group: n}}. Counts
-    make "blocked" exact: the i-th collective of a group pairs the i-th of every member,
-    so a rank blocked in its n-th collective of a group waits for a member that has
-    entered fewer than n of them, and for nobody once every member has (a status not yet
-    rewritten after a collective completed reads as blocked, and is not)."""
-
-    def __init__(self, status_dir: str, rank: int, world: int):
-        self.dir, self.rank, self.world = status_dir, rank, world
-        self.real_replace, self.depth = os.replace, 0
-        self.counts: dict[str, int] = {}
-        self.state, self.group = "running", None
-
-    def publish(self, state: str, group: str | None = None) -> None:
-        import json
-        self.state, self.group = state, group
-        path = os.path.join(self.dir, str(self.rank))
-        with open(path + ".tmp", "w") as f:
-            json.dump({"state": state, "group": group, "counts": self.counts}, f)
-        self.real_replace(path + ".tmp", path)
-
-    def states(self) -> dict[int, dict]:
-        import json
-        out = {}
-        for r in range(self.world):
-            try:
-                with open(os.path.join(self.dir, str(r))) as f:
-                    out[r] = json.load(f)
-            except (OSError, ValueError):
-                out[r] = {"state": "running", "group": None, "counts": {}}
-        out[self.rank] = {"state": self.state, "group": self.group, "counts": self.counts}
-        return out
-
-    def wait_for_others(self, settled_states: tuple, waits_for: set[str]) -> None:
-        """Until every other rank is in one of ``settled_states`` or blocked in a
-        collective that waits for a rank in one of the states ``waits_for`` (this rank
-        counts as in them)."""
-        deadline = time.monotonic() + _SETTLE_S
-        while time.monotonic() < deadline:
-            states = self.states()
-            holders = [r for r, st in states.items()
-                       if r == self.rank or st["state"] in waits_for]
-
-            def settled(st):
-                if st["state"] in settled_states:
-                    return True
-                if st["state"] != "blocked":
-                    return False
-                n = st["counts"].get(st["group"], 0)
-                members = {int(x) for x in st["group"].split(",")}
-                # blocked for real: a member it needs has not entered this collective yet
-                return any(h in members and states[h]["counts"].get(st["group"], 0) < n
-                           for h in holders)
-
-            if all(settled(st) for r, st in states.items() if r != self.rank):
-                return
-            time.sleep(0.005)
-
-    def collective(self, name, real):
-        import inspect
-        sig = inspect.signature(real)
-
-        def wrapped(*args, **kwargs):
-            group = sig.bind_partial(*args, **kwargs).arguments.get("group")
-            ranks = (list(range(self.world)) if group is None
-                     else dist.get_process_group_ranks(group))
-            key = ",".join(map(str, ranks))
-            self.depth += 1
-            if self.depth == 1:
-                self.counts[key] = self.counts.get(key, 0) + 1
-                self.publish("blocked", key)
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.depth -= 1
-                if self.depth == 0:
-                    self.publish("running")
-        return wrapped
-
-
-# where a rank that creates a directory or renames lets the others be: returned, raised,
-# stopped for good (frozen), or waiting at such a point itself
-_PARKED = ("done", "raised", "frozen", "renaming", "mkdir")
 
 
 def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
                  status_dir: str) -> dict:
     """Rank function: the learner's save with os.fsync, os.rename/os.replace and os.mkdir
-    traced, and the ranks' order decided by ``_Schedule``.
+    traced, and the ranks' order decided by ``RaceSchedule``.
 
     ``kill_rank``: that rank stops at its first fsync of a regular file (its data file is
     written, not yet durable, the checkpoint not committed), waits until the others have
@@ -293,7 +187,7 @@ def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
     import stat
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    sched = _Schedule(status_dir, rank, world)
+    sched = RaceSchedule(status_dir, rank, world)
     events: list[tuple] = []
     real_fsync, real_rename, real_replace, real_mkdir = os.fsync, os.rename, os.replace, os.mkdir
 
@@ -310,7 +204,7 @@ def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
     def renamer(real):
         def rename(src, dst, *args, **kwargs):
             sched.publish("renaming")
-            sched.wait_for_others(_PARKED, set(_PARKED) - {"done", "raised"})
+            sched.wait_for_others(PARKED, set(PARKED) - {"done", "raised"})
             if not os.path.exists(src) and os.path.exists(dst):
                 raise RuntimeError(f"more than one rank renamed {os.path.basename(src)} to "
                                    f"{os.path.basename(dst)}: exactly one rank commits")
@@ -322,7 +216,7 @@ def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
     def mkdir(path, *args, **kwargs):
         if not os.path.isdir(path):
             sched.publish("mkdir")
-            sched.wait_for_others(_PARKED, set(_PARKED) - {"done", "raised"})
+            sched.wait_for_others(PARKED, set(PARKED) - {"done", "raised"})
         try:
             return real_mkdir(path, *args, **kwargs)
         finally:
@@ -332,7 +226,7 @@ def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
     saved = [(os, "fsync", real_fsync), (os, "rename", real_rename),
              (os, "replace", real_replace), (os, "mkdir", real_mkdir)]
     for module in (dist, c10d):
-        for name in _COLLECTIVES:
+        for name in COLLECTIVES:
             if hasattr(module, name):
                 saved.append((module, name, getattr(module, name)))
     wrapped = {}
@@ -459,7 +353,7 @@ def check_atomic_save(atomic_save) -> None:
     """``atomic_save(directory, step, data)`` on every rank: all files durable, the manifest
     last, one rename; a rank killed in the middle leaves the previous checkpoint usable.
 
-    The ranks' races are scheduled, not left to chance (``_Schedule``): before a rank
+    The ranks' races are scheduled, not left to chance (``RaceSchedule``): before a rank
     creates a directory or renames, and before the killed rank dies, every other rank
     goes as far as it can without it. The verdict is the same on every run.
 

@@ -274,14 +274,8 @@ def cuda_peak_bytes(fn: Callable[[], object], device=None) -> int | None:
     Not in it: the allocator's cached free blocks (fragmentation) and the CUDA
     context (``cuda_memory_views``, the module docstring).
     """
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    views = cuda_memory_views(fn, device)
+    return None if views is None else views["allocated_peak"]
 
 
 def cuda_memory_views(fn: Callable[[], object], device=None) -> dict[str, int] | None:
