@@ -221,6 +221,22 @@ def test_same_loss_and_grads_as_torch_pipelining(kind, v):
             assert torch.equal(ours[r]["grads"][name], g), f"rank {r} {name}"
 
 
+def test_time_schedules_runs_each_run_as_its_own_launch_would():
+    """Several runs in one launch (chapter 12's grid) give each run what a launch of
+    that run alone gives: the same loss and gradients, bit for bit (each run builds its
+    own model from the same seed), and the stash it measured."""
+    from helpers.pipeline.measure import time_schedule, time_schedules
+    runs = [dict(kind="1f1b", m=4, return_grads=True), dict(kind="interleaved", m=4, v=2)]
+    together = launch(time_schedules, 2, runs, steps=1, n_layer=4, backend="gloo")
+    for i, run in enumerate(runs):
+        alone = launch(time_schedule, 2, steps=1, n_layer=4, backend="gloo", **run)
+        for r in range(2):
+            got, want = together[r][i], alone[r]
+            assert (got["loss"], got["peak_stash"]) == (want["loss"], want["peak_stash"])
+            for name, g in want.get("grads", {}).items():
+                assert torch.equal(got["grads"][name], g), f"run {i} rank {r} {name}"
+
+
 def _leaky_then_outsider():
     """Rank function (2 ranks): 1F1B with a loss function that keeps every loss (and so
     every micro-batch's graph and received input) alive, then a call from outside the
