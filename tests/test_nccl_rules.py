@@ -49,8 +49,134 @@ def test_a_ring_of_lone_sends_hangs_under_the_rules_and_the_timeout_names_the_cy
         assert f"waits for rank {(r + 1) % p} to join their two-rank communicator" in text
 
 
-def test_at_two_ranks_the_pair_is_the_same_so_the_lone_ring_runs():
-    assert launch(_lone_ring_step, 2, **RULES) == [1.0, 0.0]
+def _exchange(order: str, numel: int = 1 << 20):
+    """Two ranks swap 4 MiB with lone calls: "send first" on both ranks (the hang nccl
+    users meet most), or rank 0 sending first and rank 1 receiving first (right)."""
+    from torch.distributed import irecv, isend   # imported by name: the rules see it too
+
+    r = dist.get_rank()
+    x, y = torch.full((numel,), float(r)), torch.empty(numel)
+    if order == "send first" or r == 0:
+        works = [isend(x, 1 - r), irecv(y, 1 - r)]
+    else:
+        works = [irecv(y, 1 - r), isend(x, 1 - r)]
+    for w in works:
+        w.wait()
+    return y[0].item()
+
+
+def test_a_pairs_lone_calls_share_one_stream_so_two_sends_first_hang():
+    """Rule 8: at p = 2 the pair's communicator forms, and then each rank's receive
+    waits on its stream behind a send that waits for the peer's receive."""
+    assert launch(_exchange, 2, "send first", **GLOO) == [1.0, 0.0]
+    assert launch(_exchange, 2, "rank 1 receives first", **RULES) == [1.0, 0.0]
+    with pytest.raises(RankTimeout) as err:
+        launch(_exchange, 2, "send first", timeout=3, **RULES)
+    text = str(err.value)
+    for r in (0, 1):
+        assert (f"rank {r}: its lone isend to rank {1 - r}" in text and
+                f"waits for rank {1 - r}'s stream to reach the matching lone receive" in text)
+    assert "one after another on one stream" in text and "batch_isend_irecv" in text
+    # the lone ring of lab 03 at p = 2 is this exchange, 4 bytes each way
+    with pytest.raises(RankTimeout, match="on one stream"):
+        launch(_lone_ring_step, 2, timeout=3, **RULES)
+
+
+def _post_as(calls, numel: int = 256):
+    """Post one rank's calls (``p2p.comm_calls``) as nccl's host does: all of them, in
+    order, without waiting (batched ones in one batch_isend_irecv); then wait for all."""
+    from helpers.pipeline.p2p import post
+
+    works, got = [], []
+    for batched, ops in calls:
+        tensors = []
+        for kind, msg in ops:
+            t = torch.full((numel,), float(hash(msg) % 1000)) if kind == "send" \
+                else torch.empty(numel)
+            tensors.append((kind, t, msg.dst if kind == "send" else msg.src, 0))
+            if kind == "recv":
+                got.append((msg, t))
+        if batched:
+            works += post(tensors)
+        else:
+            works += [(dist.isend if kind == "send" else dist.irecv)(t, peer)
+                      for kind, t, peer, _ in tensors]
+    for w in works:
+        w.wait()
+    return all(t[0].item() == float(hash(msg) % 1000) for msg, t in got)
+
+
+def _schedules():
+    from helpers.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b
+
+    return {"1F1B 2x4 separate": (one_f_one_b(2, 4), "separate"),
+            "1F1B 2x4 steps": (one_f_one_b(2, 4), "steps"),
+            "1F1B 3x3 separate": (one_f_one_b(3, 3), "separate"),
+            "interleaved 2x4x2 steps": (interleaved_1f1b(2, 4, 2), "steps"),
+            "GPipe 2x2 pairs": (gpipe(2, 2), "pairs")}
+
+
+@pytest.mark.parametrize("name", list(_schedules()))
+def test_the_rules_and_stream_model_agree_on_the_course_schedules(name):
+    """The same posted calls, played by ``stream_model`` (no rank) and run on ranks under
+    the rules: both stall or neither does. Lone calls stall 1F1B; batched pairs next to
+    lone calls never meet (rule 9); the executor's steps never stall."""
+    from helpers.pipeline.p2p import ScheduleDeadlock, comm_calls, plan_messages, stream_model
+
+    sched, how = _schedules()[name]
+    calls = [comm_calls(pl, how) for pl in plan_messages(sched)]
+    try:
+        stream_model(calls)
+        stalls = False
+    except ScheduleDeadlock:
+        stalls = True
+
+    def rank_fn(all_calls):
+        return _post_as(all_calls[dist.get_rank()])
+    if stalls:
+        with pytest.raises(RankTimeout, match="Under NCCL's rules"):
+            launch(rank_fn, len(calls), calls, timeout=4, **RULES)
+    else:
+        assert launch(rank_fn, len(calls), calls, **RULES) == [True] * len(calls)
+    assert stalls == ("steps" not in name)
+
+
+def _lone_meets_batched():
+    r = dist.get_rank()
+    dist.all_reduce(torch.ones(1))   # the group's communicator exists,
+    t = torch.full((4,), float(r))
+    if r == 0:                       # and so does the pair's: only rule 9 is left
+        dist.send(t, 1)
+        dist.isend(t, 1).wait()
+        return None
+    dist.recv(t, 0)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0)]):
+        w.wait()
+    return t[0].item()
+
+
+def test_a_lone_send_never_meets_a_batched_receive():
+    assert launch(_lone_meets_batched, 2, **GLOO) == [None, 0.0]
+    with pytest.raises(RankTimeout, match="never matches a lone one"):
+        launch(_lone_meets_batched, 2, timeout=3, **RULES)
+
+
+def _unpack_batch():
+    r = dist.get_rank()
+    got = torch.zeros(2)
+    send_req, recv_req = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), 1 - r),
+                                                 dist.P2POp(dist.irecv, got, 1 - r)])
+    send_req.wait()
+    recv_req.wait()
+    return got.tolist()
+
+
+def test_a_batch_is_one_work_as_on_nccl():
+    """Rule 10: nccl coalesces a batch into one Work; unpacking two fails there."""
+    assert launch(_unpack_batch, 2, **GLOO) == [[1.0, 1.0]] * 2
+    with pytest.raises(RankError, match="not enough values to unpack"):
+        launch(_unpack_batch, 2, **RULES)
+    assert launch(_batched_ring_step, 2, **RULES) == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("p", [3, 4])
@@ -64,6 +190,10 @@ def _pair_exchange_first(collective_first: str):
         dist.all_reduce(torch.ones(1))
     elif collective_first == "ddp":  # a collective torch issues from C++ (DDP's broadcast)
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    elif collective_first == "barrier":
+        dist.barrier()
+    elif collective_first == "all_gather_object":
+        dist.all_gather_object([None] * dist.get_world_size(), dist.get_rank())
     r = dist.get_rank()
     if r < 2:
         got = torch.zeros(1)
@@ -83,6 +213,10 @@ def test_a_first_batch_of_some_ranks_hangs_until_the_group_has_a_communicator():
     assert "include every rank in that first batch" in str(err.value)
     for first in ("all_reduce", "ddp"):
         assert launch(_pair_exchange_first, 3, first, **RULES) == [1.0, 0.0, None]
+    # a barrier and an object collective run on gloo on a node: they create nothing
+    for first in ("barrier", "all_gather_object"):
+        with pytest.raises(RankTimeout, match="first use of the group's communicator"):
+            launch(_pair_exchange_first, 3, first, timeout=3, **RULES)
 
 
 def _monitored(on: str):

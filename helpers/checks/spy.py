@@ -1,157 +1,131 @@
 """What the learner's code sent and called, inside a rank: one spy for every check.
 
-A check that counts messages or forbids a shortcut must see a send whichever way
-the learner posted it: ``dist.send``, ``dist.isend``, or a ``dist.P2POp`` inside
-``dist.batch_isend_irecv`` (the form chapter 03 teaches, since it cannot deadlock
-under nccl), with ``dst=`` or ``group_dst=``. Replacing ``torch.distributed.isend``
-alone misses the last two ways, and breaks the batch: ``P2POp`` checks its op
-against ``distributed_c10d``'s own ``isend``/``irecv`` ("Invalid ``op``"), and
-``batch_isend_irecv`` calls the op the ``P2POp`` holds. So the spy replaces the
-point-to-point functions in both modules: a ``P2POp`` made while it is active holds
-the spy's function, which records the send when the batch runs it.
+A check that counts messages or forbids a shortcut must see every call whatever its
+spelling: ``dist.isend``, ``torch.distributed.isend``, ``from torch.distributed import
+isend``, a ``P2POp`` inside ``batch_isend_irecv``, ``dst=`` or ``group_dst=``. So the spy
+does not replace any function of ``torch.distributed`` (a name imported earlier would
+keep torch's, and ``P2POp`` would refuse a replaced ``isend``): it watches the process
+group's own methods, where every one of those calls ends
+(``helpers.launch.wire``, shared with NCCL's rules).
 
 ``with communication_spy(...) as spy:`` inside a rank function records
 
+* ``spy.calls``: one ``Seen`` per operation, in posting order: ``op`` (what moved:
+  "send", "recv", "all_reduce", "all_gather_into_tensor", ...), ``api`` (the function
+  called: "isend", "batch_isend_irecv", "all_gather_object", ...), ``peer`` (global
+  rank), ``nbytes`` (this rank's tensors handed in), ``batched``, ``ranks`` (the
+  group's global ranks);
 * ``spy.sends``: ``(destination global rank, bytes, a CPU copy of the tensor)`` per
-  send, in posting order;
-* ``spy.recvs``: ``(source global rank, bytes)`` per receive;
-* ``spy.collectives``: the name of every collective called;
+  send; ``spy.recvs``: ``(source global rank, bytes)`` per receive;
+* ``spy.collectives``: every collective, named as the code called it (so
+  ``all_gather_object`` appears as itself, once per operation it posts);
+* ``spy.bytes(*ops)``: the bytes this rank handed to those operations;
 
 and, while active:
 
 * a send or receive to a rank outside the group raises at once, naming it (gloo
   would wait forever for a rank that does not exist, and the check would only
   report a hang);
-* the collectives named in ``refuse`` raise with the given reason;
+* the collectives named in ``refuse`` (by operation or by the function called)
+  raise with the given reason;
 * ``recv_dtype``: a receive buffer of another dtype raises, naming it (gloo would
   abort the process on the size mismatch with no word of the cause).
 
-On exit the functions are put back. It stacks with the collective recorder and
-NCCL's rules (``helpers.launch.nccl_rules``): each wraps what it finds.
+Not seen: collectives torch issues from C++ (DDP's reducer, DTensor's functional
+collectives); see ``helpers.launch.wire``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
-import threading
-from typing import Any, Iterator
+from typing import Iterator
 
-P2P = ("send", "isend", "recv", "irecv")
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-               "all_to_all_single", "reduce", "gather", "scatter")
-_SENDS = ("send", "isend")
+from helpers.launch import wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """One operation the spied code posted."""
+    op: str
+    api: str
+    peer: int | None
+    nbytes: int
+    batched: bool
+    ranks: tuple[int, ...]
 
 
 @dataclasses.dataclass
 class Spy:
+    calls: list = dataclasses.field(default_factory=list)
     sends: list = dataclasses.field(default_factory=list)
     recvs: list = dataclasses.field(default_factory=list)
     collectives: list = dataclasses.field(default_factory=list)
+    refuse: dict = dataclasses.field(default_factory=dict)
+    recv_dtype: object = None
+    keep_values: bool = True
 
     @property
     def destinations(self) -> list[int]:
         return [dst for dst, _, _ in self.sends]
 
+    def bytes(self, *ops: str) -> int:
+        """Bytes this rank handed to the operations ``ops`` (all when none named)."""
+        return sum(c.nbytes for c in self.calls if not ops or c.op in ops or c.api in ops)
+
+    def ops(self) -> list[str]:
+        return [c.op for c in self.calls]
+
+    # the wire's observer
+    def before(self, call: wire.Call) -> None:
+        if call.op in wire.P2P:
+            self._p2p(call)
+        else:
+            why = self.refuse.get(call.op, self.refuse.get(call.api))
+            if why is not None:
+                raise RuntimeError(f"dist.{call.api} is switched off in this check: {why}")
+            self.collectives.append(call.api if call.api in _COLLECTIVE_APIS else call.op)
+        self.calls.append(Seen(call.op, call.api, call.peer, call.nbytes, call.batched,
+                               call.ranks))
+
+    def _p2p(self, call: wire.Call) -> None:
+        import torch.distributed as dist
+
+        sending = call.op == "send"
+        if call.group_peer is not None and not 0 <= call.group_peer < len(call.ranks):
+            raise ValueError(
+                f"rank {dist.get_rank()} {'sends to' if sending else 'receives from'} rank "
+                f"{call.group_peer}, which is not in its group (ranks {list(call.ranks)}): a "
+                f"rank number computed past the last rank, or hard-coded for another world "
+                f"size? (gloo would wait for it forever)")
+        tensor = call.tensors[0]
+        nbytes = tensor.numel() * tensor.element_size()
+        if sending:
+            copy = tensor.detach().to("cpu", copy=True) if self.keep_values else None
+            self.sends.append((call.peer, nbytes, copy))
+        else:
+            if self.recv_dtype is not None and tensor.dtype != self.recv_dtype:
+                raise RuntimeError(f"receiving into a {tensor.dtype} buffer, but the messages "
+                                   f"carry {self.recv_dtype}: allocate receive buffers with "
+                                   f"the data's dtype (torch.empty_like(chunk))")
+            self.recvs.append((call.peer, nbytes))
+
+
+# The torch.distributed functions a check may name in ``refuse`` or find in
+# ``collectives`` as themselves (the operations they post are named by ``op``).
+_COLLECTIVE_APIS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                    "all_gather_single", "all_gather_object", "reduce_scatter",
+                    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+                    "all_to_all_single", "reduce", "gather", "scatter", "barrier",
+                    "broadcast_object_list", "gather_object", "scatter_object_list",
+                    "all_reduce_coalesced", "all_gather_coalesced")
+
 
 @contextlib.contextmanager
 def communication_spy(refuse: dict[str, str] | None = None, recv_dtype=None,
                       keep_values: bool = True) -> Iterator[Spy]:
-    """See the module docstring. ``refuse``: {collective name: why it is refused here}."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    spy, refuse, saved = Spy(), refuse or {}, []
-
-    def replace(name, wrapper):
-        for module in (dist, c10d):
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, wrapper)
-
-    for name in P2P:
-        replace(name, _p2p(name, getattr(c10d, name), spy, recv_dtype, keep_values))
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            replace(name, _collective(name, getattr(dist, name), spy, refuse.get(name)))
-    try:
+    """See the module docstring. ``refuse``: {operation or function name: why it is
+    refused here}."""
+    spy = Spy(refuse=dict(refuse or {}), recv_dtype=recv_dtype, keep_values=keep_values)
+    with wire.observing(spy):
         yield spy
-    finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
-
-
-def _peer(bound: dict, name: str) -> tuple[int | None, Any]:
-    """(the peer's global rank, the group) of a point-to-point call."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    group = bound.get("group")
-    pg = group if group is not None else c10d._get_default_group()
-    peer_arg, group_arg = ("dst", "group_dst") if name in _SENDS else ("src", "group_src")
-    peer = bound.get(peer_arg)
-    if peer is None and bound.get(group_arg) is not None:
-        local = bound[group_arg]
-        members = dist.get_process_group_ranks(pg)
-        if not 0 <= local < len(members):
-            raise ValueError(f"{name} with {group_arg}={local}, but the group has "
-                             f"{len(members)} ranks (0..{len(members) - 1})")
-        peer = members[local]
-    if peer is not None and peer not in dist.get_process_group_ranks(pg):
-        members = dist.get_process_group_ranks(pg)
-        raise ValueError(
-            f"rank {dist.get_rank()} {'sends to' if name in _SENDS else 'receives from'} rank "
-            f"{peer}, which is not in its group (ranks {members}): a rank number computed "
-            f"past the last rank, or hard-coded for another world size? (gloo would wait "
-            f"for it forever)")
-    return peer, group
-
-
-# Inside a spied point-to-point call: torch 2.13's blocking ``dist.send``/``recv`` post
-# through the module's ``isend``/``irecv``, which the spy has replaced too; the inner
-# call must not be recorded a second time.
-_INSIDE = threading.local()
-
-
-def _p2p(name: str, original, spy: Spy, recv_dtype, keep_values: bool):
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        if getattr(_INSIDE, "call", False):
-            return original(*args, **kwargs)
-        _INSIDE.call = True
-        try:
-            return _record(*args, **kwargs)
-        finally:
-            _INSIDE.call = False
-
-    def _record(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs).arguments
-        tensor = bound.get("tensor")
-        peer, _ = _peer(bound, name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if name in _SENDS:
-            copy = tensor.detach().to("cpu", copy=True) if keep_values else None
-            spy.sends.append((peer, nbytes, copy))
-        else:
-            if recv_dtype is not None and tensor.dtype != recv_dtype:
-                raise RuntimeError(f"receiving into a {tensor.dtype} buffer, but the messages "
-                                   f"carry {recv_dtype}: allocate receive buffers with the "
-                                   f"data's dtype (torch.empty_like(chunk))")
-            spy.recvs.append((peer, nbytes))
-        return original(*args, **kwargs)
-    return wrapper
-
-
-def _collective(name: str, original, spy: Spy, refused: str | None):
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        spy.collectives.append(name)
-        if refused is not None:
-            raise RuntimeError(f"dist.{name} is switched off in this check: {refused}")
-        return original(*args, **kwargs)
-    return wrapper

@@ -41,6 +41,10 @@ of rule 1 dates from June 2025, before 2.11).
    has run no collective yet waits until every rank of the group reaches one.
    (Whether a collective ran is read from the group's sequence number, which
    counts collectives torch issues from C++ too, as DDP's.)
+   ``barrier()`` and the object collectives (``all_gather_object``,
+   ``broadcast_object_list``, ...) do not count: on a node's ``"cpu:gloo,cuda:nccl"``
+   group they run on gloo (``_get_object_coll_device``, ``barrier``'s device choice)
+   and create no nccl communicator.
 3. **``monitored_barrier`` is gloo's alone.** ``distributed_c10d.monitored_barrier``
    raises ``ValueError("monitored_barrier is only implemented for GLOO backend.")``
    unless the group was created with ``backend="gloo"``; a GPU job's default group
@@ -60,7 +64,31 @@ of rule 1 dates from June 2025, before 2.11).
    ``recv(t)`` without ``src`` needs it.
 7. **Tags are ignored.** ``ProcessGroupNCCL::send``/``recv`` take the tag as an
    unused argument: two messages between the same pair match in the order they
-   were posted, whatever their tags (gloo matches by tag). Here: every tag is 0.
+   were posted, whatever their tags (gloo matches by tag). Here: every tag of a
+   batched call is 0 and of a lone call 1 (rule 9 says why).
+8. **A pair's lone calls share one stream, and a send waits for its receive.**
+   ``pointToPoint`` runs a lone call on the stream of the pair's communicator
+   (``key = getKeySendRecv(rank_, peer)``, ``ncclStreams_[key]``): a rank's lone
+   sends and receives with one peer run one after the other, in posting order, in
+   both directions. ``ncclSend`` "is blocking for the GPU" (NCCL user guide): it
+   finishes only when the peer's stream runs the matching ``ncclRecv`` (small messages
+   may slip through NCCL's buffers, NVIDIA/nccl#1456, large ones do not, #479, #783;
+   a program that works only for small messages is wrong). So two ranks that each
+   ``isend`` to the other and then ``irecv`` hang: each receive waits on its stream
+   behind a send that waits for it. Here: every lone call of a pair runs on a thread
+   of its own for the pair (the stream), in posting order; a lone send goes out only
+   once the peer's stream has reached the matching lone receive. The host does not
+   wait (``isend`` returns at once, as on a GPU); ``wait()`` does.
+   ``helpers.pipeline.p2p.stream_model`` plays the same rule on a schedule's calls
+   without running them; ``tests/test_nccl_rules.py`` checks that both agree.
+9. **Lone and batched calls never meet.** A ``batch_isend_irecv`` runs on the
+   group's communicator, a lone call on the pair's: a lone send never matches a
+   batched receive (``stream_model`` says so too). Here: their gloo tags differ.
+10. **One Work for a whole batch.** nccl coalesces a batch into one handle
+   (``_coalescing_manager(..., async_ops=True)``): ``batch_isend_irecv`` returns a
+   list of *one* Work, so ``send_req, recv_req = dist.batch_isend_irecv(...)`` raises
+   on a node. Here the list holds one Work too, which waits for the whole batch
+   (``helpers.pipeline.p2p.post`` shows how to handle both).
 What it cannot show (only a GPU does)
 -------------------------------------
 * **The host returns before the data is there.** An nccl collective with
@@ -77,28 +105,27 @@ What it cannot show (only a GPU does)
   so it is not reproduced; the course's collective recorder
   (``launch(..., record=True)``, chapter 18) compares the ranks' calls instead,
   which works on both.
-* **Stream order.** ``launch`` initialises nccl lazily (chapter 03 says why);
-  with ``device_id`` (eager init) lone sends and receives would share the group's
-  one stream and could hang on the GPU depending on message sizes. Not emulated:
-  the course posts exchanges through ``batch_isend_irecv``, which both accept.
-* **One Work for a whole batch.** With nccl, ``batch_isend_irecv`` returns a list
-  holding *one* Work for the whole batch (``_coalescing_manager``); gloo returns one
-  per operation, so code that unpacks ``send_req, recv_req = batch_isend_irecv(...)``
-  works on gloo only. Returning one Work here would not be faithful: on nccl its
-  ``wait()`` orders the CUDA stream and the host goes on, while a gloo Work blocks
-  the host until the whole batch is done. Code written for nccl (the pipeline
-  executor maps that one Work to every operation of the batch, and waits for a send
-  it has proved delivered) would then wait on the host for a receive that nccl's
-  stream alone waits for, and stall where a GPU does not. So gloo's list stands;
-  ``helpers.pipeline.p2p.post`` shows how to handle both.
+* **Eager initialisation.** ``launch`` initialises nccl lazily (chapter 03 says why).
+  With ``device_id`` (eager), a lone call goes on the group's communicator and stream
+  instead of the pair's, and a first lone send blocks in connection setup until the
+  peer posts its receive (NCCL 2.30's ``ncclTransportP2pSetup``), at any size. Not
+  emulated: the launcher never initialises eagerly.
+* **A buffer on the wrong device.** On a node, a tensor made without the rank's
+  device (``torch.empty(k)``) is a CPU tensor, and its send or receive goes to gloo
+  while the peer's CUDA tensor goes to nccl: the two never meet. Here every tensor is
+  on the CPU. The lab checks catch it another way: they compare the device of what
+  a learner's function returns with its input's (``rank_info().device``).
+* **Where a hang ends.** A wait to create a communicator (rules 1 and 2) is not an
+  nccl operation, so NCCL's watchdog (``TORCH_NCCL_...``, 10 minutes) never sees it:
+  on a node, and here, the launch's own timeout ends it.
 * **Uneven ``all_gather`` lists, PREMUL_SUM and float8 reductions**, which nccl
   accepts and gloo refuses: gloo's refusal stands.
-* Collectives torch issues from C++ (DDP's reducer, functional collectives) pass
-  no Python function, so rules 4 and 5 see only Python calls; torch's own code
-  obeys them already.
+* Collectives torch issues from C++ (DDP's reducer, functional collectives) never
+  reach a Python method of the process group, so rules 4 and 5 see only calls made
+  from Python; torch's own code obeys them already.
 
-Cost: a Python wrapper per call (microseconds), and one store round trip per
-pair and per group at first use.
+Cost: a Python wrapper per call (microseconds), one store round trip per pair and
+per group at first use, and one per lone send (rule 8).
 """
 
 from __future__ import annotations
@@ -107,26 +134,21 @@ import datetime
 import functools
 import inspect
 import os
+import queue
 import sys
 import threading
 import traceback
 from typing import Any, Callable
 
-from helpers.launch import hooks
-from helpers.launch.errors import cell_name, library_dirs
+from helpers.launch import hooks, wire
+from helpers.launch.errors import RankTimeout, cell_name, library_dirs
 
 ENV = "COURSE_NCCL_RULES"
 
-# torch.distributed's point-to-point calls, and the collectives whose tensors and
-# reduce op are checked (rules 4 and 5; every one of them also creates the group's
-# communicator, rule 2).
-P2P = ("send", "recv", "isend", "irecv")
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-               "reduce", "gather", "scatter", "barrier", "all_reduce_coalesced")
-
 # Rule 4: the dtypes getNcclDataType maps (torch 2.13, NCCLUtils), by name so that
-# a torch without one of them still imports this module.
+# a torch without one of them still imports this module. (torch's Python layer views a
+# complex tensor as real pairs before handing it to the group in most calls, so the
+# rule sees complex only where nccl would: reduce, gather, reduce_scatter.)
 NCCL_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32",
                "float64", "bool", "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz",
                "float8_e4m3fnuz")
@@ -134,6 +156,13 @@ NCCL_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float3
 _SCALAR_NAMES = {"uint16": "UInt16", "uint32": "UInt32", "uint64": "UInt64", "int16": "Short",
                  "complex32": "ComplexHalf", "complex64": "ComplexFloat",
                  "complex128": "ComplexDouble", "float8_e8m0fnu": "Float8_e8m0fnu"}
+# Rule 2: the functions that a node runs on gloo ("cpu:gloo,cuda:nccl"), creating no
+# nccl communicator.
+ON_GLOO_ON_A_NODE = ("barrier", "monitored_barrier", "all_gather_object",
+                     "broadcast_object_list", "gather_object", "scatter_object_list",
+                     "send_object_list", "recv_object_list")
+# Rules 7 and 9: the gloo tag of every batched and of every lone point-to-point call.
+BATCH_TAG, LONE_TAG = 0, 1
 
 
 def requested(flag: bool | None) -> bool:
@@ -147,73 +176,241 @@ def requested(flag: bool | None) -> bool:
 # Inside a rank
 # --------------------------------------------------------------------------
 
+class _Stream:
+    """One pair's stream on this rank (rule 8): its lone calls run one after another,
+    in posting order, on a thread of their own; the host does not wait for them."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+
+def _work(wait: Callable[[], None], done: Callable[[], bool]):
+    """A torch Work whose wait() runs ``wait`` (and raises what it raises)."""
+    from torch._C._distributed_c10d import Work
+
+    class RulesWork(Work):
+        def wait(self, timeout=None):  # noqa: ARG002 - Work's signature
+            wait()
+            return True
+
+        def is_completed(self):
+            return done()
+
+        def is_success(self):
+            return done()
+    return RulesWork()
+
+
 class _Rules:
-    """One rank's view: which communicators exist, which groups are gloo's own."""
+    """One rank's view (the wire's observer): which communicators exist, which groups
+    are gloo's own, each pair's stream."""
 
     def __init__(self, store, timeout: float):
         self.store = store
         self.timeout = datetime.timedelta(seconds=timeout)
         self.pairs: set[tuple[str, int, int]] = set()     # (group, low, high) joined
-        self.lone: dict[str, int] = {}                      # group -> lone p2p ops posted
+        self.uncounted: dict[str, int] = {}                 # group -> ops creating no comm.
         self.groups: set[str] = set()                       # groups whose communicator exists
         self.gloo_groups: set[str] = set()                  # made with backend="gloo"
-        self.local = threading.local()  # .batch: in batch_isend_irecv; .p2p: in a p2p call
+        self.streams: dict[tuple[str, int, int], _Stream] = {}
+        self.posted: dict[tuple[str, int, str], int] = {}   # (group, peer, op) -> lone calls
+        self.batch_works: list = []
         self.channel = hooks.rank_channel()
+
+    # -- the wire's observer ------------------------------------------------
+    def before(self, call: wire.Call) -> None:
+        if call.op in wire.P2P:
+            self._p2p(call)
+        elif call.op == "monitored_barrier":
+            self._monitored_barrier(call)
+        else:
+            self._collective(call)
+
+    def post(self, call: wire.Call, post: Callable):
+        if call.op not in wire.P2P:
+            return post()
+        if call.batched:
+            return self._post_batched(call, post)
+        return self._post_lone(call, post)
+
+    # -- the rules ------------------------------------------------------------
+    def _p2p(self, call: wire.Call) -> None:
+        """Rules 1, 2 (a batch's first use of the group), 4, 6, 7."""
+        if call.method == "recv_anysource":
+            raise NotImplementedError("ProcessGroupNCCL does not support recvAnysource  "
+                                      "[nccl_rules: name the source rank, recv(t, src=...)]")
+        _check_dtypes(call.tensors)
+        call.args[2] = BATCH_TAG if call.batched else LONE_TAG
+        gname = call.group.group_name
+        if call.batched:
+            if call.first_in_batch:
+                self.batch_works = []
+                self._first_batch(call, gname)
+            return
+        self.uncounted[gname] = self.uncounted.get(gname, 0) + 1
+        me, peer = call.rank, call.peer
+        low, high = sorted((me, peer))
+        if peer != me and (gname, low, high) not in self.pairs:
+            what = f"{call.api} {'to' if call.op == 'send' else 'from'} rank {peer}"
+            self._meet("pair", f"pair/{gname}/{low}:{high}", me, [peer], what)
+            self.pairs.add((gname, low, high))
+
+    def _first_batch(self, call: wire.Call, gname: str) -> None:
+        """Rule 2: a batch on a group whose communicator does not exist yet waits for
+        every rank of the group."""
+        if gname in self.groups:
+            return
+        # Has a collective run on the group from C++ (DDP's broadcast)? gloo counts every
+        # operation in the sequence number; the rules counted those that create nothing.
+        if call.group._get_sequence_number_for_group() > self.uncounted.get(gname, 0):
+            self.groups.add(gname)
+            return
+        members = list(call.ranks)
+        me = call.rank
+        self._meet("group", f"group/{gname}", me, [r for r in members if r != me],
+                   f"batch_isend_irecv, the first use of the group's communicator "
+                   f"(group of ranks {members})")
+        self.groups.add(gname)
+
+    def _collective(self, call: wire.Call) -> None:
+        """Rules 4 and 5; the group's communicator exists from now on (rule 2)."""
+        _check_dtypes(wire._flat(call.args))
+        for arg in call.args:
+            if hasattr(arg, "reduceOp"):
+                _check_op(arg.reduceOp)
+        gname = call.group.group_name
+        if call.api in ON_GLOO_ON_A_NODE:
+            self.uncounted[gname] = self.uncounted.get(gname, 0) + 1
+        else:
+            self.groups.add(gname)
+
+    def _monitored_barrier(self, call: wire.Call) -> None:
+        """Rule 3."""
+        if call.group.group_name not in self.gloo_groups:
+            raise ValueError("monitored_barrier is only implemented for GLOO backend.  "
+                             "[nccl_rules: on a GPU node the default group is "
+                             "'cpu:gloo,cuda:nccl'; make a gloo group for it: "
+                             "dist.new_group(backend='gloo')]")
+        self.uncounted[call.group.group_name] = self.uncounted.get(call.group.group_name, 0) + 1
+
+    def _post_batched(self, call: wire.Call, post: Callable):
+        """Rule 10: one Work for the batch. torch's batch_isend_irecv keeps only the
+        Works that are not None: every operation but the last returns None."""
+        self.batch_works.append(post())
+        if call.index < len(call.batch) - 1:
+            return None
+        works, self.batch_works = self.batch_works, []
+
+        def wait():
+            # gloo's Work may be waited once: the second wait() of a send blocks
+            # (torch 2.13), and the batch's one Work is waited once per operation
+            while works:
+                works[0].wait()
+                works.pop(0)
+        return _work(wait, lambda: all(w.is_completed() for w in works))
+
+    def _post_lone(self, call: wire.Call, post: Callable):
+        """Rule 8: on the pair's stream, in posting order; a send goes out once the
+        peer's stream has reached the matching receive."""
+        import torch
+
+        gname, me, peer = call.group.group_name, call.rank, call.peer
+        low, high = sorted((me, peer))
+        stream = self.streams.get((gname, low, high))
+        if stream is None:
+            stream = self.streams[(gname, low, high)] = _Stream(f"nccl-pair-{low}:{high}")
+        sending = call.op == "send"
+        count = (gname, peer, call.op)
+        j = self.posted[count] = self.posted.get(count, -1) + 1
+        src, dst = (me, peer) if sending else (peer, me)
+        key = f"stream/{gname}/{src}>{dst}/{j}"
+        what = f"lone {call.api} {'to' if sending else 'from'} rank {peer}"
+        site = _call_site()
+        future = torch.futures.Future()
+
+        def run():
+            try:
+                if sending:   # wait until the peer's stream runs the matching receive
+                    self._meet("stream", key, me, [peer], what, site=site, mine=False)
+                else:         # this stream has reached the receive: the peer may send
+                    self.store.set(f"ncclrules/{key}/{me}", "1")
+                    self._event("wait", "recv", key, me, (peer,), what, site)
+                post().wait()
+                if not sending:
+                    self._event("joined", "recv", key, me)
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - reported by wait()
+                future.set_exception(exc)
+        stream.submit(run)
+        return _work(future.wait, future.done)
+
+    # -- meeting other ranks ------------------------------------------------------
+    def _event(self, *event) -> None:
+        if self.channel is not None:
+            self.channel(("nccl_rules",) + event)
+
+    def _meet(self, kind: str, key: str, me: int, others: list[int], what: str,
+              site=None, mine: bool = True) -> None:
+        """Block until every rank in ``others`` has arrived at ``key`` too (NCCL's
+        communicator creation; rule 8: the peer's stream at the receive). The wait is
+        written to the rank's record channel first, so that a launch that times out
+        here can say who waited for whom."""
+        site = _call_site() if site is None else site
+        self._event("wait", kind, key, me, tuple(others), what, site)
+        if mine:
+            self.store.set(f"ncclrules/{key}/{me}", "1")
+        self.store.wait([f"ncclrules/{key}/{r}" for r in others], self.timeout)
+        self._event("joined", kind, key, me)
 
 
 _RULES: _Rules | None = None
 
 
 def install(store, timeout: float) -> None:
-    """Called once in a rank, after ``init_process_group``: replace the functions of
-    ``torch.distributed`` the rules apply to (and ``distributed_c10d``'s isend and
-    irecv, which ``P2POp`` checks its op against). ``store``: the launch's store."""
+    """Called once in a rank, after ``init_process_group``: the rules watch every
+    call that reaches a process group from now on (``helpers.launch.wire``), and
+    remember which groups are made with backend="gloo" (rule 3). ``store``: the
+    launch's store."""
     global _RULES
-    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     _RULES = _Rules(store, timeout)
-    for name in P2P:
-        _replace(dist, c10d, name, _p2p(name, getattr(c10d, name)))
-    for name in COLLECTIVES:
+    wire.add(_RULES)
+    # new_group creates its group through one of these (torch 2.13), looked up in the
+    # module when it runs: wrapping them sees new_group however it was imported.
+    for name in ("_new_group_with_tag", "_new_group_via_split_group"):
         if hasattr(c10d, name):
-            _replace(dist, c10d, name, _collective(name, getattr(c10d, name)))
-    _replace(dist, c10d, "batch_isend_irecv", _batch(c10d.batch_isend_irecv))
-    _replace(dist, c10d, "monitored_barrier", _monitored_barrier(c10d.monitored_barrier))
-    _replace(dist, c10d, "new_group", _new_group(c10d.new_group))
+            setattr(c10d, name, _remember_gloo_groups(getattr(c10d, name)))
 
 
-def _replace(dist, c10d, name: str, wrapper: Callable) -> None:
-    setattr(c10d, name, wrapper)
-    setattr(dist, name, wrapper)
+def _remember_gloo_groups(original: Callable) -> Callable:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        group = original(*args, **kwargs)
+        backend = sig.bind(*args, **kwargs).arguments.get("backend")
+        if backend is not None and str(backend).lower() == "gloo" and \
+                hasattr(group, "group_name"):
+            _RULES.gloo_groups.add(group.group_name)
+        return group
+    return wrapper
 
 
-def _group_of(group):
-    import torch.distributed.distributed_c10d as c10d
-
-    return group if group is not None else c10d._get_default_group()
-
-
-def _name(group) -> str:
-    return _group_of(group).group_name
-
-
-# The calls whose Python layer hands a complex tensor to the backend as real pairs
-# (torch.view_as_real in torch 2.13's distributed_c10d: isend/irecv, so send/recv too,
-# broadcast, all_reduce, all_reduce_coalesced, all_gather, all_gather_into_tensor,
-# scatter, all_to_all, all_to_all_single): complex is fine there on nccl. reduce,
-# gather, reduce_scatter and reduce_scatter_tensor pass it on as it is.
-VIEWS_COMPLEX_AS_REAL = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce",
-                         "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-                         "scatter", "all_to_all", "all_to_all_single")
-
-
-def _check_dtypes(tensors, call: str) -> None:
-    """Rule 4, for the tensors of the call ``call``."""
+def _check_dtypes(values) -> None:
+    """Rule 4."""
     import torch
 
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or (t.is_complex() and call in VIEWS_COMPLEX_AS_REAL):
+    for t in values:
+        if not isinstance(t, torch.Tensor):
             continue
         name = str(t.dtype).removeprefix("torch.")
         if name not in NCCL_DTYPES:
@@ -231,23 +428,9 @@ def _check_op(op) -> None:
             raise ValueError(f"Cannot use ReduceOp.{bad} with NCCL  [nccl_rules]")
 
 
-def _tensors_in(values) -> list:
-    import torch
-
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += [t for t in v if isinstance(t, torch.Tensor)]
-            out += [t for inner in v if isinstance(inner, (list, tuple))
-                    for t in inner if isinstance(t, torch.Tensor)]
-    return out
-
-
 _HELPERS = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
-# Wrappers that sit between a call and torch.distributed (the checks' spy, the
-# collective recorder, these rules): never the line to show.
+# Wrappers that sit between a call and torch.distributed (the wire and these rules, the
+# checks' spy, the collective recorder): never the line to show.
 _WRAPPERS = tuple(os.path.join(_HELPERS, *parts) for parts in
                   (("launch", ""), ("checks", "spy.py"), ("debug", "recorder.py")))
 
@@ -277,150 +460,12 @@ def _where(site: tuple[tuple[str, int], ...]) -> str:
     return text + (f" (from {cell_name(*site[1])})" if len(site) > 1 else "")
 
 
-def _meet(kind: str, key: str, me: int, others: list[int], what: str) -> None:
-    """Block until every rank in ``others`` has arrived at ``key`` too (NCCL's
-    communicator creation). The wait is written to the rank's record channel first,
-    so that a launch that times out here can say who waited for whom."""
-    rules = _RULES
-    site = _call_site()
-    if rules.channel is not None:
-        rules.channel(("nccl_rules", "wait", kind, key, me, tuple(others), what, site))
-    rules.store.set(f"ncclrules/{key}/{me}", "1")
-    rules.store.wait([f"ncclrules/{key}/{r}" for r in others], rules.timeout)
-    if rules.channel is not None:
-        rules.channel(("nccl_rules", "joined", kind, key, me))
-
-
-def _p2p(name: str, original: Callable) -> Callable:
-    """Rules 1, 4, 6, 7 for send / recv / isend / irecv."""
-    sig = inspect.signature(original)
-    peer_arg, group_peer_arg = ("dst", "group_dst") if name in ("send", "isend") else \
-        ("src", "group_src")
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        # torch 2.13's blocking send/recv post through the module's isend/irecv, which are
-        # wrapped too: the inner call is the same operation, checked once
-        if getattr(_RULES.local, "p2p", False):
-            return original(*args, **kwargs)
-        _RULES.local.p2p = True
-        try:
-            return _checked(*args, **kwargs)
-        finally:
-            _RULES.local.p2p = False
-
-    def _checked(*args, **kwargs):
-        import torch.distributed as dist
-
-        rules = _RULES
-        bound = sig.bind(*args, **kwargs)
-        group = bound.arguments.get("group")
-        peer = bound.arguments.get(peer_arg)
-        if peer is None and bound.arguments.get(group_peer_arg) is not None:
-            peer = dist.get_global_rank(_group_of(group), bound.arguments[group_peer_arg])
-        if peer is None and name in ("recv", "irecv"):
-            raise NotImplementedError("ProcessGroupNCCL does not support recvAnysource  "
-                                      "[nccl_rules: name the source rank, recv(t, src=...)]")
-        _check_dtypes([bound.arguments.get("tensor")], name)
-        if "tag" in bound.arguments:
-            bound.arguments["tag"] = 0  # rule 7
-        if not getattr(rules.local, "batch", False):
-            me, gname = dist.get_rank(), _name(group)
-            rules.lone[gname] = rules.lone.get(gname, 0) + 1
-            low, high = sorted((me, peer))
-            if peer != me and (gname, low, high) not in rules.pairs:
-                _meet("pair", f"pair/{gname}/{low}:{high}", me, [peer],
-                      f"{name} {'to' if peer_arg == 'dst' else 'from'} rank {peer}")
-                rules.pairs.add((gname, low, high))
-        return original(*bound.args, **bound.kwargs)
-    return wrapper
-
-
-def _collective(name: str, original: Callable) -> Callable:
-    """Rules 4 and 5; the group's communicator exists from now on (rule 2)."""
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs).arguments
-        _check_dtypes(_tensors_in(v for k, v in bound.items() if k != "group"), name)
-        if "op" in bound:
-            _check_op(bound["op"])
-        _RULES.groups.add(_name(bound.get("group")))
-        return original(*args, **kwargs)
-    return wrapper
-
-
-def _batch(original: Callable) -> Callable:
-    """Rule 2, and the batch's sends and receives exempt from rule 1."""
-    @functools.wraps(original)
-    def wrapper(p2p_op_list):
-        import torch.distributed as dist
-
-        rules = _RULES
-        if not p2p_op_list:
-            return original(p2p_op_list)
-        group = _group_of(p2p_op_list[0].group)
-        gname = group.group_name
-        if gname not in rules.groups:
-            # Has any collective run on the group (from C++ too, as DDP's)? gloo counts
-            # every operation in the sequence number, lone sends and receives included.
-            if group._get_sequence_number_for_group() > rules.lone.get(gname, 0):
-                rules.groups.add(gname)
-            else:
-                members = dist.get_process_group_ranks(group)
-                me = dist.get_rank()
-                _meet("group", f"group/{gname}", me, [r for r in members if r != me],
-                      f"batch_isend_irecv, the first use of the group's communicator "
-                      f"(group of ranks {members})")
-                rules.groups.add(gname)
-        for op in p2p_op_list:
-            _check_dtypes([op.tensor], "isend")
-        rules.local.batch = True
-        try:
-            return original(p2p_op_list)
-        finally:
-            rules.local.batch = False
-    return wrapper
-
-
-def _monitored_barrier(original: Callable) -> Callable:
-    """Rule 3."""
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        group = sig.bind(*args, **kwargs).arguments.get("group")
-        if _name(group) not in _RULES.gloo_groups:
-            raise ValueError("monitored_barrier is only implemented for GLOO backend.  "
-                             "[nccl_rules: on a GPU node the default group is "
-                             "'cpu:gloo,cuda:nccl'; make a gloo group for it: "
-                             "dist.new_group(backend='gloo')]")
-        return original(*args, **kwargs)
-    return wrapper
-
-
-def _new_group(original: Callable) -> Callable:
-    """Remembers the groups created with backend="gloo" (rule 3 allows them)."""
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        group = original(*args, **kwargs)
-        backend = sig.bind(*args, **kwargs).arguments.get("backend")
-        if backend is not None and str(backend).lower() == "gloo" and \
-                hasattr(group, "group_name"):
-            _RULES.gloo_groups.add(group.group_name)
-        return group
-    return wrapper
-
-
 # --------------------------------------------------------------------------
 # In the caller: what a launch that hung under the rules was waiting for
 # --------------------------------------------------------------------------
 
-def waiting(events: dict[int, list[tuple]]) -> dict[int, tuple]:
-    """rank -> its unfinished communicator wait ("wait" event without "joined")."""
+def waiting(events: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
+    """rank -> its unfinished waits ("wait" events without "joined"), in order."""
     out = {}
     for rank, evs in events.items():
         open_waits = {}
@@ -432,45 +477,72 @@ def waiting(events: dict[int, list[tuple]]) -> dict[int, tuple]:
             elif ev[1] == "joined":
                 open_waits.pop(ev[3], None)
         if open_waits:
-            out[rank] = list(open_waits.values())[-1]
+            out[rank] = list(open_waits.values())
     return out
 
 
-def explain(events: dict[int, list[tuple]]) -> str | None:
-    """Why the ranks hung, when they hung creating nccl communicators."""
+_WHY = {
+    "pair": "A lone send/recv/isend/irecv creates a communicator for its pair of ranks at "
+            "the pair's first such call, and blocks until both ranks call (torch's "
+            "ProcessGroupNCCL::pointToPoint); ranks waiting for each other in a circle "
+            "never get there. Post each step's sends and receives together with "
+            "dist.batch_isend_irecv([P2POp(...), ...]).",
+    "stream": "A pair's lone sends and receives run one after another on one stream, in "
+              "the order they were posted, and a send finishes only when the peer's "
+              "stream runs the matching receive (NCCL's ncclSend blocks its stream; torch's "
+              "ProcessGroupNCCL::pointToPoint puts both directions of a pair on one "
+              "stream): two ranks that each send before they receive wait for each other, "
+              "whatever the message size once NCCL's buffers are full. A batched call on "
+              "the peer never matches a lone one (it runs on the group's communicator). "
+              "Post each step's sends and receives together with "
+              "dist.batch_isend_irecv([P2POp(...), ...]).",
+    "group": "The first batch_isend_irecv on a group creates the group's communicator and "
+             "needs every rank of the group (torch's batch_isend_irecv docstring; a "
+             "barrier or an object collective runs on gloo on a GPU node and creates "
+             "nothing); run a collective on the group first, or include every rank in "
+             "that first batch.",
+}
+
+
+def explain(events: dict[int, list[tuple]], timed_out: bool = True) -> str | None:
+    """Why the ranks hung, when they hung creating nccl communicators or on a pair's
+    stream (only when the launch timed out: a wait on a stream is ordinary while a
+    message is on its way)."""
     stuck = waiting(events)
-    if not stuck:
+    lines, kinds = [], []
+    for rank, evs in sorted(stuck.items()):
+        for ev in evs:
+            _, _, kind, _, me, others, what, site = ev
+            if kind in ("stream", "recv") and not timed_out:
+                continue
+            where = _where(site)
+            if kind == "pair":
+                line = (f"  rank {me}: its first lone {what}{where} waits for rank "
+                        f"{others[0]} to join their two-rank communicator")
+            elif kind == "stream":
+                line = (f"  rank {me}: its {what}{where} waits for rank {others[0]}'s stream "
+                        f"to reach the matching lone receive")
+            elif kind == "recv":
+                line = (f"  rank {me}: its {what}{where} waits for rank {others[0]}'s "
+                        f"matching lone send")
+            else:
+                line = f"  rank {me}: {what}{where} waits for ranks {list(others)}"
+            lines.append(line)
+            kinds.append("stream" if kind == "recv" else kind)
+    if not lines:
         return None
-    lines = ["Under NCCL's rules (nccl_rules=True), ranks were blocked creating NCCL "
-             "communicators, as they would on a GPU node:"]
-    pairs = False
-    for rank, ev in sorted(stuck.items()):
-        _, _, kind, _, me, others, what, site = ev
-        where = _where(site)
-        if kind == "pair":
-            pairs = True
-            lines.append(f"  rank {me}: its first lone {what}{where} waits for rank "
-                         f"{others[0]} to join their two-rank communicator")
-        else:
-            lines.append(f"  rank {me}: {what}{where} waits for ranks {list(others)}")
-    if pairs:
-        lines.append("A lone send/recv/isend/irecv creates a communicator for its pair of "
-                     "ranks at the pair's first such call, and blocks until both ranks call "
-                     "(torch's ProcessGroupNCCL::pointToPoint); ranks waiting for each other "
-                     "in a circle never get there. Post each step's sends and receives "
-                     "together with dist.batch_isend_irecv([P2POp(...), ...]).")
-    else:
-        lines.append("The first batch_isend_irecv on a group creates the group's "
-                     "communicator and needs every rank of the group (torch's "
-                     "batch_isend_irecv docstring); run a collective on the group first, "
-                     "or include every rank in that first batch.")
-    return "\n".join(lines)
+    head = ("Under NCCL's rules (nccl_rules=True), ranks were blocked creating NCCL "
+            "communicators, as they would on a GPU node:" if "stream" not in kinds else
+            "Under NCCL's rules (nccl_rules=True), ranks were blocked as they would be on "
+            "a GPU node:")
+    return "\n".join([head] + lines + [_WHY[k] for k in ("pair", "stream", "group")
+                                       if k in kinds])
 
 
 def report_failure(err, events: dict[int, list[tuple]], status: dict[int, str]) -> None:
-    """The launch's failure report (helpers.launch.hooks): say which communicator each
-    stuck rank was waiting to create."""
-    text = explain(events)
+    """The launch's failure report (helpers.launch.hooks): say which communicator or
+    stream each stuck rank was waiting for."""
+    text = explain(events, timed_out=isinstance(err, RankTimeout))
     if text:
         err.nccl_rules = text
         err.args = (f"{err.args[0]}\n\n{text}",) + err.args[1:]

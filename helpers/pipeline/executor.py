@@ -322,9 +322,12 @@ def pipeline_step(chunks: Sequence[StageChunk], schedule: Sequence[Sequence],
             works.pop(("recv", msg_in)).wait()
             got = buffers.pop(msg_in)
         rec.computing()
+        awaited = {id(w) for (kind, _), w in works.items() if kind == "recv"}
         for k in plan.release[i]:            # proved delivered: returns at once, frees memory
             work, _ = pending.pop(k)
-            work.wait()
+            if id(work) not in awaited:      # nccl: one Work for a whole batch, which may
+                work.wait()                  # hold a receive of a later action; that
+                                             # action's wait completes it (and frees the send)
         if a.kind == "F":
             inp = xs[j] if s == 0 else got.requires_grad_()   # tokens, or activation (mb, T, C)
             with rec.saving((j, a.chunk)):
