@@ -43,6 +43,9 @@ ALLOWED = {
     ("helpers/launch/pool.py", "_wait_for", "monotonic"): "the rank server's start-up line",
     ("helpers/launch/launcher.py", "launch", "monotonic"): "the launch's timeout",
     ("helpers/launch/launcher.py", "_collect", "monotonic"): "the launch's timeout",
+    ("helpers/launch/torchrun.py", "_wait_for_agent", "time"):
+        "a failed job's deadline, shared by its ranks through the store (wall clock: "
+        "other processes and nodes read it), after the collectives failed",
     ("helpers/checkpoint/async_save.py", "save", "perf_counter"):
         "host stall of a checkpoint save (copy to host memory; disk, not GPU work)",
     ("helpers/checkpoint/async_save.py", "_write", "perf_counter"): "seconds to write a file",

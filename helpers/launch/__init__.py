@@ -9,7 +9,9 @@ The launcher is a package, one part per module, in the order a launch uses them:
   caller's handle on it;
 * ``rank``: what a rank does, from its fork to its exit;
 * ``errors``: ``RankError``, ``RankTimeout`` and how the root cause is named;
-* ``info``: ``rank_info()``; ``torchrun``: the same code under torchrun;
+* ``info``: ``rank_info()``; ``torchrun``: the same code under torchrun, where a
+  rank that raises is named in seconds on every node; ``python -m helpers.launch``
+  (``__main__``): torchrun with a bound on waiting for the nodes;
 * ``hooks``: the extension points other parts of the course plug into (the
   collective recorder of ``helpers.debug`` does);
 * ``nccl_rules``: gloo behaving as nccl would where the outcome differs
@@ -101,7 +103,9 @@ How it works
 * Under ``torchrun`` (RANK and WORLD_SIZE set in the environment) ``launch``
   does not spawn anything: it runs ``fn`` in the current process's group and
   returns every rank's result (gathered with ``all_gather_object``), so the same
-  chapter code runs multi-node unchanged.
+  chapter code runs multi-node unchanged. A rank whose function raises exits at
+  once and is torchrun's root cause; ranks on other nodes stop with a ``RankError``
+  naming it (``helpers.launch.torchrun``).
 
 Seeding: before ``fn`` runs, every rank calls ``torch.manual_seed(seed)``
 (and seeds ``random`` and numpy) with the *same* ``seed`` (default 0), so a

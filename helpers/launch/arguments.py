@@ -39,14 +39,21 @@ def group_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
-def check_args(fn: Callable, world_size: Any, timeout: Any) -> None:
+def local_rank_limit() -> int:
+    """Most ranks one machine runs: more processes than that thrash its cores."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
+def check_args(fn: Callable, world_size: Any, timeout: Any, local: bool = True) -> None:
+    """``local``: all ``world_size`` ranks run on this machine (a launch); under
+    torchrun the limit applies to the ranks it started here (helpers.launch.torchrun)."""
     if not callable(fn):
         raise TypeError(f"launch needs a function to run on every rank, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     cores = os.cpu_count() or 1
-    if world_size > max(64, 8 * cores):
+    if local and world_size > local_rank_limit():
         raise ValueError(f"world_size={world_size} local ranks on {cores} cores would thrash; "
-                         f"use at most {max(64, 8 * cores)} (or torchrun across machines)")
+                         f"use at most {local_rank_limit()} (or torchrun across machines)")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

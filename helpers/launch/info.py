@@ -29,12 +29,19 @@ class RankInfo:
 
 
 _RANK_INFO: RankInfo | None = None  # set in a launch's rank (helpers.launch.rank)
+_TORCHRUN_NCCL_RULES = False  # under torchrun: set once helpers.launch.torchrun installed them
 
 
 def set_rank_info(info: RankInfo) -> None:
     """Called once in each rank, before ``fn`` runs."""
     global _RANK_INFO
     _RANK_INFO = info
+
+
+def set_torchrun_nccl_rules(on: bool) -> None:
+    """Under torchrun, once the rules are on in this process (they stay on)."""
+    global _TORCHRUN_NCCL_RULES
+    _TORCHRUN_NCCL_RULES = on
 
 
 def rank_info() -> RankInfo:
@@ -75,4 +82,5 @@ def torchrun_info() -> RankInfo:
     backend = "nccl" if "nccl" in backend else backend  # "cpu:gloo,cuda:nccl" is an nccl job
     device = f"cuda:{local_rank}" if backend == "nccl" else "cpu"
     return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank,
-                    backend, device if torch.cuda.is_available() or device == "cpu" else "cpu")
+                    backend, device if torch.cuda.is_available() or device == "cpu" else "cpu",
+                    _TORCHRUN_NCCL_RULES)

@@ -77,13 +77,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     nccl_rules: on gloo ranks, behave as nccl would where that changes the
         outcome (helpers.launch.nccl_rules): a hang or an error a GPU node would
         show appears here. None: on if ``COURSE_NCCL_RULES=1`` is in the environment.
+        (Under torchrun too, on a gloo job: once on, they stay on in that process.)
     Keyword arguments other than these go to ``fn``.
     """
-    check_args(fn, world_size, timeout)
+    check_args(fn, world_size, timeout, local=not under_torchrun())
     fn = hooks.apply_options(fn, {"record": record})
     if under_torchrun():
         return launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout,
-                                     seed, seed_per_rank)
+                                     seed, seed_per_rank, nccl_rules)
     if os.environ.get("_COURSE_POOL_WORKER") == "1":
         raise RuntimeError("launch() called inside a rank: nested launches are not supported")
     backend = resolve_backend(backend, world_size)
