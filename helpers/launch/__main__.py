@@ -1,0 +1,80 @@
+"""``python -m helpers.launch``: torchrun, with a bound on waiting for the other nodes.
+
+It takes torchrun's arguments and runs torchrun (``torch.distributed.run``); two things
+differ, both about a node that never comes:
+
+* the rendezvous waits at most ``JOIN_TIMEOUT`` seconds (120) for every node to join,
+  not torchrun's 600 (``--rdzv-conf join_timeout=SECONDS`` still sets it), and a
+  multi-node agent says so when it starts waiting;
+* when the nodes do not all come in time, or the rendezvous endpoint cannot be
+  reached, it ends with a sentence that says what is missing and what to check,
+  instead of a bare ``RendezvousTimeoutError`` traceback (exit status 1 either way).
+  An unreachable endpoint (the first node missing, or a name it does not recognise
+  as its own, so that nobody hosts the rendezvous) takes two tries of the store's
+  ``read_timeout``, 60 s each by default.
+
+Everything else, the job's own failures included, is torchrun's: a rank whose
+function raised is named in its "Root Cause" (helpers.launch.torchrun). How long a
+missing node takes to report, then: ``join_timeout`` after the first agent started,
+plus about a second (the rendezvous polls its state once a second).
+"""
+
+from __future__ import annotations
+
+import sys
+
+JOIN_TIMEOUT = 120
+
+
+def with_course_defaults(args):
+    """torchrun's parsed arguments with the course's join timeout, unless given."""
+    conf = [kv for kv in args.rdzv_conf.split(",") if kv.strip()]
+    if not any(kv.split("=")[0].strip() == "join_timeout" for kv in conf):
+        args.rdzv_conf = ",".join(conf + [f"join_timeout={JOIN_TIMEOUT}"])
+    return args
+
+
+def _join_timeout(args) -> str:
+    for kv in args.rdzv_conf.split(","):
+        key, _, value = kv.partition("=")
+        if key.strip() == "join_timeout":
+            return value.strip()
+    return str(JOIN_TIMEOUT)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
+                                                          RendezvousTimeoutError)
+    from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+
+    args = with_course_defaults(parse_args(sys.argv[1:] if argv is None else argv))
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    multi_node = max_nodes > 1 and not args.standalone
+    where = f"{args.rdzv_endpoint or '(no --rdzv_endpoint)'}"
+    if multi_node:
+        sys.stderr.write(f"[course] waiting up to {_join_timeout(args)} s for {args.nnodes} "
+                         f"node(s) to join rendezvous '{args.rdzv_id}' at {where}\n")
+        sys.stderr.flush()
+    try:
+        record(run)(args)
+    except RendezvousTimeoutError:
+        sys.stderr.write(
+            f"[course] rendezvous '{args.rdzv_id}' at {where} did not gather --nnodes="
+            f"{args.nnodes} nodes within join_timeout={_join_timeout(args)} s, so no rank "
+            f"started. The node(s) missing did not run this same command (same --rdzv_id, "
+            f"--nnodes and --rdzv_endpoint), or cannot reach {where} (a firewall, or a host "
+            f"name that resolves to another address there). More time: --rdzv-conf "
+            f"join_timeout=SECONDS.\n")
+        sys.exit(1)
+    except RendezvousConnectionError:
+        sys.stderr.write(
+            f"[course] could not reach the rendezvous at {where}, so no rank started. The "
+            f"first node hosts it when it recognises the name as its own (as `hostname` "
+            f"prints it there): is this same command running there, is the port open, and "
+            f"does the name resolve here to an address this node reaches?\n")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
