@@ -20,6 +20,11 @@ and gets one test per row (ids like ``test_wrong_answer_fails[gpus_needed: round
 * ``test_wrong_answer_fails``: each ``Wrong`` answer makes its check raise CheckFailed
   whose message contains ``says`` (a regular expression, searched as by
   ``pytest.raises(match=...)``; ``None``: any CheckFailed) -- not another exception;
+* ``test_passes_spelled``: a check that counts or refuses communication
+  (``Check(..., wire=True)``) passes on the solution's code spelled as learners also
+  write it: every ``dist.x`` as a name imported before (``from torch.distributed import
+  x as td_x``, which the checks' spy must see as well: ``helpers.launch.wire``) and as
+  ``torch.distributed.x``, with NCCL's rules on and off;
 * ``test_stub_fails``: each check fails on the lab notebook's untouched stub, saying
   it is "not implemented yet". A check taking several exercises (``check_f_g(f, g)``)
   is tried with all of them stubbed and with each one stubbed alone, the others
@@ -63,12 +68,16 @@ class Check:
         free have their own check.
     notebook: False for a check no notebook calls (no solution or stub to load): only
         its ``Right`` and ``Wrong`` answers are tested, passed as its one argument.
+    wire: the check counts or refuses communication: its solution is also run respelled
+        (``test_passes_spelled``); "p2p" for a check of point-to-point code.
     """
 
     def __init__(self, fn: Callable, *args: Any, slow: bool = False,
-                 stubs: tuple[str, ...] | None = None, notebook: bool = True) -> None:
+                 stubs: tuple[str, ...] | None = None, notebook: bool = True,
+                 wire: bool | str = False) -> None:
         self.fn, self.args, self.slow, self.notebook = fn, args, slow, notebook
         self._stubs = stubs
+        self.wire = wire
 
     @property
     def names(self) -> list[str]:
@@ -163,20 +172,20 @@ class ChapterChecks:
             f"{check.fn.__name__} takes {names}: give the answer as {{name: code}}"
         return answer
 
-    def _load(self, notebook: str, name: str) -> Any:
-        obj = exercise(notebook, name)
+    def _load(self, notebook: str, name: str, spelling: str | None = None) -> Any:
+        obj = exercise(notebook, name, spelling)
         for dep in self.uses.get(name, ()):
-            obj.__globals__[dep] = self._load(notebook, dep)
+            obj.__globals__[dep] = self._load(notebook, dep, spelling)
         return obj
 
     def _call(self, key: str, given: dict | None = None, stubbed: tuple = (),
-              kwargs: dict | None = None) -> None:
+              kwargs: dict | None = None, spelling: str | None = None) -> None:
         """Run check ``key``: ``given`` names' code as given, ``stubbed`` names' from the
-        lab, the others from the solution."""
+        lab, the others from the solution (respelled: ``tools.nbtool.exercise``)."""
         check, given = self.checks[key], given or {}
         args = [a if not isinstance(a, str)
                 else given[a] if a in given
-                else self._load(self.lab if a in stubbed else self.sol, a)
+                else self._load(self.lab if a in stubbed else self.sol, a, spelling)
                 for a in check.args]
         check.fn(*args, **(kwargs or {}))
 
@@ -184,7 +193,8 @@ class ChapterChecks:
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         cases = {"test_passes": self._passing, "test_wrong_answer_fails": self._wrong,
-                 "test_stub_fails": self._stubbed}[metafunc.function.__name__]()
+                 "test_stub_fails": self._stubbed,
+                 "test_passes_spelled": self._spelled}[metafunc.function.__name__]()
         metafunc.parametrize("case", cases)
 
     def _marks(self, key: str) -> list:
@@ -195,6 +205,24 @@ class ChapterChecks:
                  for key, check in self.checks.items() if check.notebook]
         return cases + [pytest.param(r, id=_id(r.check, r.why), marks=self._marks(r.check))
                         for r in self.right]
+
+    @staticmethod
+    def _spellings(wire: bool | str) -> list[tuple[str, bool]]:
+        """Names imported before (what a spy that replaces torch.distributed's functions
+        cannot see) under the rules; point-to-point checks also without them (lone calls
+        are right on gloo and wrong under the rules) and as ``torch.distributed.x``.
+        (``torch.distributed.x`` and ``dist.x`` are one attribute of one module object:
+        the point-to-point checks' row stands for the others.)"""
+        return [("imported", True)] + ([("imported", False), ("torch.distributed", False)]
+                                       if wire == "p2p" else [])
+
+    def _spelled(self) -> list:
+        cases = [pytest.param((key, spelling, rules), id=_id(key, spelling, f"rules {rules}"),
+                              marks=self._marks(key))
+                 for key, check in self.checks.items() if check.wire and check.notebook
+                 for spelling, rules in self._spellings(check.wire)]
+        return cases or [pytest.param(None, marks=pytest.mark.skip(reason="no check here "
+                                                                   "counts communication"))]
 
     def _wrong(self) -> list:
         return [pytest.param(w, id=_id(w.check, w.mistake), marks=self._marks(w.check))
@@ -219,6 +247,14 @@ class ChapterChecks:
         _rules(monkeypatch, case.rules)
         given = None if case.answer is None else self._given(self.checks[case.check], case.answer)
         self._call(case.check, given, kwargs=case.kwargs)
+        out = capsys.readouterr().out
+        assert out.count("✓") == 1, f"expected one ✓ line from the check, got:\n{out}"
+
+    def test_passes_spelled(self, case: tuple[str, str, bool], capsys: pytest.CaptureFixture,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+        key, spelling, rules = case
+        _rules(monkeypatch, rules)
+        self._call(key, spelling=spelling)
         out = capsys.readouterr().out
         assert out.count("✓") == 1, f"expected one ✓ line from the check, got:\n{out}"
 

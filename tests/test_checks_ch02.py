@@ -179,8 +179,8 @@ class TestChapter02(ChapterChecks):
     lab = "labs/02_sync_sgd_data_parallel_lab.ipynb"
     sol = "solutions/02_sync_sgd_data_parallel_solution.ipynb"
     checks = {
-        "average_gradients": Check(ch02.check_average_gradients, slow=True),
-        "dp_step": Check(ch02.check_dp_step, slow=True),
+        "average_gradients": Check(ch02.check_average_gradients, slow=True, wire=True),
+        "dp_step": Check(ch02.check_dp_step, slow=True, wire=True),
     }
     uses = {"dp_step": ("average_gradients",)}  # the step calls the notebook's average_gradients
     wrong = [

@@ -175,7 +175,7 @@ class TestChapter04(ChapterChecks):
     lab, sol = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
     checks = {
         "assign_buckets": Check(ch04.check_assign_buckets),
-        "grad_ready_hook": Check(ch04.check_grad_ready_hook, "MyDDP", slow=True),
+        "grad_ready_hook": Check(ch04.check_grad_ready_hook, "MyDDP", slow=True, wire=True),
     }
     wrong = [
         Wrong("grad_ready_hook", _ReduceAgain, "all-reduces every .grad again in finish",

@@ -56,6 +56,26 @@ def _groups_swapped(x, intra, inter, wire):  # reduce-scatter across nodes, all-
     ring_all_gather(x, inter, wire)
 
 
+def _leaders_only(x, intra, inter, wire):  # reduce to a leader, leaders all-reduce, broadcast
+    from torch.distributed import broadcast, get_global_rank, get_rank, reduce
+
+    leader = get_global_rank(intra, 0)
+    reduce(x, leader, group=intra)
+    if get_rank(intra) == 0:
+        ring_all_reduce(x, inter, wire)
+    broadcast(x, leader, group=intra)
+
+
+def _course_one_liner(x, intra, inter, wire):  # the chapter's own function
+    from helpers.topology.hierarchical import NodeGroups, hierarchical_all_reduce
+
+    import torch.distributed as dist
+
+    g = wire.gpus_per_node
+    groups = NodeGroups(intra, inter, dist.get_rank() // g, dist.get_rank() % g, g)
+    hierarchical_all_reduce(x, g, groups=groups, wire=wire)
+
+
 def _no_all_gather(x, intra, inter, wire):  # forgets phase 3: only my chunk is right
     chunk = ring_reduce_scatter(x, intra, wire)
     ring_all_reduce(chunk, inter, wire)
@@ -128,7 +148,7 @@ class TestChapter07(ChapterChecks):
     lab, sol = "labs/07_nccl_topology_lab.ipynb", "solutions/07_nccl_topology_solution.ipynb"
     checks = {
         "node_layout": Check(ch07.check_node_layout),
-        "hierarchical": Check(ch07.check_hierarchical, slow=True),
+        "hierarchical": Check(ch07.check_hierarchical, slow=True, wire=True),
         "placement_times": Check(ch07.check_placement_times),
     }
     wrong = [
@@ -144,6 +164,10 @@ class TestChapter07(ChapterChecks):
               says="only the chunk"),
         Wrong("hierarchical", _groups_swapped, "reduce-scatter across nodes, all-reduce inside",
               says="only the chunk"),
+        Wrong("hierarchical", _leaders_only, "one leader per node carries everything",
+              says="one GPU per node carries the node's traffic"),
+        Wrong("hierarchical", _course_one_liner, "the chapter's hierarchical_all_reduce",
+              says="switched off in this check"),
         Wrong("hierarchical", _no_all_gather, "forgets the all-gather",
               says="does not hold the sum"),
         Wrong("hierarchical", _two_per_node, "the chunk cut for 2 GPUs per node",

@@ -172,11 +172,43 @@ class ColumnFromCourse(nn.Module):
         return self.inner(x)
 
 
+class GGathersThenSums(torch.autograd.Function):
+    # Plausible mistake: g's sum as an all-gather of the partials, then a local sum (the
+    # right numbers; t - 1 times the tensor on the wire and t copies in memory).
+    @staticmethod
+    def forward(ctx, x, group):
+        from torch.distributed import all_gather, get_world_size
+        parts = [torch.empty_like(x) for _ in range(get_world_size(group))]
+        all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class FReducesInBackwardAndForwardBroadcasts(torch.autograd.Function):
+    # Plausible mistake: f "makes sure" x is the same everywhere with a broadcast in forward.
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.broadcast(y, dist.get_global_rank(group, 0) if group is not None else 0,
+                       group=group)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class TestChapter08(ChapterChecks):
     lab = "labs/08_tensor_parallel_basics_lab.ipynb"
     sol = "solutions/08_tensor_parallel_basics_solution.ipynb"
     checks = {
-        "f_g": Check(ch08.check_f_g, "CopyToTP", "ReduceFromTP"),
+        "f_g": Check(ch08.check_f_g, "CopyToTP", "ReduceFromTP", wire=True),
         "parallel_layers": Check(ch08.check_parallel_layers,
                                  "ColumnParallelLinear", "RowParallelLinear"),
     }
@@ -204,6 +236,10 @@ class TestChapter08(ChapterChecks):
               "t and r of the whole job, not of the group", says="not from the whole job"),
         Wrong("parallel_layers", {"ColumnParallelLinear": ColumnFWithoutGroup},
               "f without the layer's group", says=r"f\(x, self.group\)"),
+        Wrong("f_g", {"ReduceFromTP": GGathersThenSums}, "g as an all-gather and a local sum",
+              says="g forward gave the right sum through all_gather.*one all-reduce"),
+        Wrong("f_g", {"CopyToTP": FReducesInBackwardAndForwardBroadcasts},
+              "f broadcasts in forward", says="f forward communicated .broadcast.*identity"),
         Wrong("parallel_layers", {"ColumnParallelLinear": ColumnFromCourse},
               "the course's own ColumnParallelLinear inside", says="course's own answer"),
     ]

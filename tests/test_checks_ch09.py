@@ -151,8 +151,8 @@ def _loss_from_course(logits, targets, group=None, ignore_index=-100):
 class TestChapter09(ChapterChecks):
     lab = "labs/09_tp_in_transformer_lab.ipynb"
     sol = "solutions/09_tp_in_transformer_solution.ipynb"
-    checks = {"parallelize_block": Check(ch09.check_parallelize_block, slow=True),
-              "vocab_parallel_loss": Check(ch09.check_vocab_parallel_loss, slow=True)}
+    checks = {"parallelize_block": Check(ch09.check_parallelize_block, slow=True, wire=True),
+              "vocab_parallel_loss": Check(ch09.check_vocab_parallel_loss, slow=True, wire=True)}
     wrong = [
         Wrong("parallelize_block", _qkv_split_contiguously, "q, k, v split contiguously",
               says="split by heads"),

@@ -163,7 +163,7 @@ class TestChapter10(ChapterChecks):
     sol = "solutions/10_sequence_parallel_solution.ipynb"
     checks = {
         "merge": Check(ch10.check_merge),
-        "ring": Check(ch10.check_ring, "ring_forward", slow=True),
+        "ring": Check(ch10.check_ring, "ring_forward", slow=True, wire="p2p"),
     }
     wrong = [
         Wrong("merge", lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)),

@@ -185,7 +185,7 @@ class TestChapter11(ChapterChecks):
     # (the run_stage stub, unlike most, fails on the ranks: its test starts them too)
     checks = {
         "balanced_partition": Check(ch11.check_balanced_partition),
-        "run_stage": Check(ch11.check_run_stage, slow=True),
+        "run_stage": Check(ch11.check_run_stage, slow=True, wire="p2p"),
     }
     wrong = [
         Wrong("balanced_partition", _greedy, "greedy fill up to the average",

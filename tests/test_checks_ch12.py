@@ -100,7 +100,7 @@ class TestChapter12(ChapterChecks):
         "bubble_fraction": Check(ch12.check_bubble_fraction),
         "one_f_one_b": Check(ch12.check_one_f_one_b),
         # the stub and a deadlocking schedule fail before any rank starts
-        "one_f_one_b on ranks": Check(ch12.check_one_f_one_b_on_ranks, "one_f_one_b", slow=True),
+        "one_f_one_b on ranks": Check(ch12.check_one_f_one_b_on_ranks, "one_f_one_b", slow=True, wire="p2p"),
         "zb_h1": Check(ch12.check_zb_h1),
     }
     wrong = [

@@ -132,9 +132,9 @@ class TestChapter14(ChapterChecks):
     lab, sol = "labs/14_zero_stages_lab.ipynb", "solutions/14_zero_stages_solution.ipynb"
     checks = {
         "shard_bounds": Check(ch14.check_shard_bounds),
-        "zero1_step": Check(ch14.check_zero1_step),
-        "reduce_scatter_bucket": Check(ch14.check_reduce_scatter_bucket),
-        "attach_zero2": Check(ch14.check_attach_zero2),
+        "zero1_step": Check(ch14.check_zero1_step, wire=True),
+        "reduce_scatter_bucket": Check(ch14.check_reduce_scatter_bucket, wire=True),
+        "attach_zero2": Check(ch14.check_attach_zero2, wire=True),
     }
     wrong = [
         Wrong("shard_bounds", _floor_chunks, "no padding", says="Pad"),

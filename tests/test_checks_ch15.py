@@ -114,18 +114,25 @@ def _post_backward(average=True, drop=True, free_unit=True, all_reduce=False, pa
     return post_backward
 
 
+def _free_by_data(unit):  # a new, empty storage for unit.full; the parameters keep the old
+    import torch
+    unit.full.data = torch.empty(0, device=unit.full.device)
+
+
 class TestChapter15(ChapterChecks):
     lab, sol = "labs/15_fsdp_lab.ipynb", "solutions/15_fsdp_solution.ipynb"
     checks = {
         "gather_free": Check(ch15.check_gather_free, "gather", "free"),
         # gather and free have their own check: only attach's stub here
         "attach": Check(ch15.check_attach, "gather", "free", "attach", stubs=("attach",)),
-        "post_backward": Check(ch15.check_post_backward),
+        "post_backward": Check(ch15.check_post_backward, wire=True),
     }
     # a wrong answer replaces some of the exercises a check takes; the others are the solution's
     wrong = [
         Wrong("gather_free", {"gather": _gather_new_tensor, "free": _free},
               "gathers into a new tensor", says="in place"),
+        Wrong("gather_free", {"free": _free_by_data}, "free swaps unit.full.data",
+              says="parameters still view 48 bytes"),
         Wrong("gather_free", {"free": lambda unit: None}, "free keeps the bytes", says="resize_"),
         Wrong("gather_free", {"free": _free_rebinds}, "free rebinds unit.full",
               says="replaced unit.full"),
@@ -145,7 +152,7 @@ class TestChapter15(ChapterChecks):
         Wrong("post_backward", _post_backward(answer=False), "returns None",
               says="returned None"),
         Wrong("post_backward", _post_backward(gather_back=True), "gathers the gradient back",
-              says="all_gather refused"),
+              says=r"all_gather\w* refused"),
         Wrong("attach", {"attach": _attach_forward_only}, "no gather before backward",
               says="again before its backward"),
         Wrong("attach", {"attach": _attach_no_free}, "never frees", says="still held"),

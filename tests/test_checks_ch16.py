@@ -122,12 +122,38 @@ def _topk_hook(ratio, feedback=True, average=True, dense=False, zero_sent=True,
     return hook
 
 
+def _topk_dense_gather(ratio):
+    """Plausible detour: each rank's top k written into a dense vector, and the dense
+    vectors all-gathered (imported by name): the right mean, (N - 1) x the bucket on the
+    wire, more than the all-reduce it replaces."""
+    import math
+
+    import torch
+    from torch.distributed import all_gather, get_world_size
+
+    errors = {}
+
+    def hook(flat, group=None):
+        acc = flat + errors.get(flat.data_ptr(), 0)
+        idx = acc.abs().topk(math.ceil(ratio * acc.numel())).indices
+        msg = torch.zeros_like(acc)
+        msg[idx] = acc[idx]
+        errors[flat.data_ptr()] = acc - msg
+        parts = [torch.empty_like(msg) for _ in range(get_world_size(group))]
+        all_gather(parts, msg, group=group)
+        fut = torch.futures.Future()
+        fut.set_result(flat.copy_(torch.stack(parts).sum(0) / len(parts)))
+        return fut
+
+    return hook
+
+
 class TestChapter16(ChapterChecks):
     lab, sol = "labs/16_comm_overlap_lab.ipynb", "solutions/16_comm_overlap_solution.ipynb"
     checks = {
         "union_length": Check(ch16.check_union_length),
         "prefetch": Check(ch16.check_prefetch),
-        "topk_ef_hook": Check(ch16.check_topk_ef_hook),
+        "topk_ef_hook": Check(ch16.check_topk_ef_hook, wire=True),
     }
     wrong = [
         Wrong("union_length", lambda spans: sum(b - a for a, b in spans),
@@ -149,6 +175,8 @@ class TestChapter16(ChapterChecks):
         Wrong("prefetch", _just_ran, "prefetches the unit that just ran", says="not issued"),
         Wrong("topk_ef_hook", partial(_topk_hook, k_of=lambda r, n: int(r * n)),
               "k rounded down", says="round up"),
+        Wrong("topk_ef_hook", _topk_dense_gather, "a dense vector of the top k, all-gathered",
+              says="handed 180 bytes to all_gather.*k = 5 values and their indices"),
         Wrong("topk_ef_hook", partial(_topk_hook, divide_by=2), "divides by a fixed 2",
               says="3 ranks, rank 0, call 1"),
         Wrong("topk_ef_hook", partial(_topk_hook, as_future=False), "returns the tensor",

@@ -97,8 +97,8 @@ class TestChapter21(ChapterChecks):
     sol = "solutions/21_expert_parallelism_solution.ipynb"
     checks = {
         "route_top_k": Check(ch21.check_route_top_k),
-        "dispatch": Check(ch21.check_dispatch),
-        "combine": Check(ch21.check_combine),
+        "dispatch": Check(ch21.check_dispatch, wire=True),
+        "combine": Check(ch21.check_combine, wire=True),
     }
     wrong = [
         Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, renorm=False),

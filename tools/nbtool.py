@@ -441,11 +441,14 @@ def from_percent(text: str) -> nbformat.NotebookNode:
     return normalize(nb)
 
 
-def exercise(nb_path: str | pathlib.Path, name: str) -> object:
+def exercise(nb_path: str | pathlib.Path, name: str, spelling: str | None = None) -> object:
     """Load ``name`` as the learner would have it: exec the notebook's first code
     cell (imports) and the cell that defines ``name``, return the object.
 
-    Tests use this to prove each check fails on the lab's real stub.
+    Tests use this to prove each check fails on the lab's real stub. ``spelling``
+    rewrites the cell's ``dist.x`` first, as learners also write it: "imported" (a
+    name imported before the code runs, ``from torch.distributed import x as td_x``)
+    or "torch.distributed" (``torch.distributed.x``).
     """
     nb = nbformat.read(resolve(nb_path), as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
@@ -458,10 +461,22 @@ def exercise(nb_path: str | pathlib.Path, name: str) -> object:
         # and a test of "the check fails on the stub" would pass for the wrong reason.
         raise ValueError(f"{nb_path}: the cell defining {name!r} also calls a check; "
                          "put the check call in the next cell")
+    cell = respell(cells[0], spelling) if spelling else cells[0]
     namespace: dict = {"__name__": "__lab__"}
     exec(compile(code[0], f"{nb_path}[setup]", "exec"), namespace)
-    exec(compile(cells[0], f"{nb_path}[{name}]", "exec"), namespace)
+    exec(compile(cell, f"{nb_path}[{name}]", "exec"), namespace)
     return namespace[name]
+
+
+def respell(source: str, spelling: str) -> str:
+    """``source`` with every ``dist.x`` written another way (see ``exercise``)."""
+    names = sorted(set(re.findall(r"(?<![\w.])dist\.([A-Za-z_]\w*)", source)))
+    if spelling == "torch.distributed":
+        return "import torch\n" + re.sub(r"(?<![\w.])dist\.", "torch.distributed.", source)
+    if spelling != "imported":
+        raise ValueError(f"spelling must be 'imported' or 'torch.distributed', got {spelling!r}")
+    head = "".join(f"from torch.distributed import {n} as td_{n}\n" for n in names)
+    return head + re.sub(r"(?<![\w.])dist\.([A-Za-z_]\w*)", r"td_\1", source)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,8 +75,14 @@ def check_node_layout(node_layout) -> None:
            "a world that does not fill the nodes is refused")
 
 
+# the chapter's own answer: one call of it is not the exercise
+COURSE_HIERARCHICAL = ["helpers.topology.hierarchical.hierarchical_all_reduce"]
+
+
 def _run_hierarchical(fn, gpus_per_node=GPUS):
     import torch.distributed as dist
+
+    from helpers.checks.course_answers import CourseAnswerUsed, refusing
 
     from helpers.topology import Wire, node_groups
 
@@ -89,7 +95,12 @@ def _run_hierarchical(fn, gpus_per_node=GPUS):
         ref = x.clone()
         dist.all_reduce(ref)
         wire = Wire(gpus_per_node)
-        fn(x, groups.intra, groups.inter, wire)
+        try:
+            with refusing(COURSE_HIERARCHICAL, "hierarchical",
+                          "build the three phases from the ring functions yourself"):
+                fn(x, groups.intra, groups.inter, wire)
+        except CourseAnswerUsed as exc:
+            return str(exc)
         out.append((torch.equal(x, ref), wire.cross_bytes))
     dist.barrier()
     return out
@@ -105,7 +116,9 @@ def check_hierarchical(hierarchical) -> None:
     split evenly), exact sums, bytes across nodes counted by the Wire. Mistakes it
     catches: a flat ring over the world; all of x across nodes; the phases on swapped
     groups; a missing all-gather; messages not sent through the wire (nothing counted);
-    a chunk or node size hard-coded from the 2 x 2 grid (the 2 x 3 one)."""
+    a chunk or node size hard-coded from the 2 x 2 grid (the 2 x 3 one); the right total
+    sent by one leader per node (reduce to it, all-reduce among leaders, broadcast: one
+    NIC carries everything); the chapter's own ``hierarchical_all_reduce`` called."""
     from helpers.topology import IB_NDR, NVLINK4_H100, Topology, Wire, collective_cost
 
     if not callable(hierarchical):
@@ -117,6 +130,9 @@ def check_hierarchical(hierarchical) -> None:
                            what=f"hierarchical on {grid}",
                            timeout=120,  # generous: up to 5 subgroups on a loaded 2-core machine
                            probe=lambda: hierarchical(torch.zeros(4), None, None, Wire(1)))
+        refused = [res for res in results if isinstance(res, str)]
+        if refused:
+            raise CheckFailed(refused[0])
         for i, n in enumerate(SIZES):
             wrong = [r for r, res in enumerate(results) if not res[i][0]]
             if wrong:
@@ -143,9 +159,22 @@ def check_hierarchical(hierarchical) -> None:
             raise CheckFailed(f"hierarchical on {grid}: {got:g} bytes crossed node boundaries "
                               f"for a {N}-byte tensor; the hierarchical all-reduce sends "
                               f"2 (nodes - 1) N = {want:g} (a flat ring: {flat:g}).{hint}")
+        per_rank = [res[0][1] for res in results]
+        share = want / world
+        if max(per_rank) > share:
+            busiest = per_rank.index(max(per_rank))
+            idle = [r for r, b in enumerate(per_rank) if b == 0]
+            raise CheckFailed(
+                f"hierarchical on {grid}: the right total crossed nodes, but rank {busiest} "
+                f"sent {max(per_rank):g} bytes across and rank(s) {idle or 'others'} "
+                f"{min(per_rank):g}: one GPU per node carries the node's traffic on its one "
+                f"NIC. In the hierarchy every GPU sends its own 1/{g} of the tensor across "
+                f"({share:g} bytes each), so all {g} NICs of a node carry an equal share: "
+                f"reduce-scatter inside the node, all-reduce your chunk in the inter group, "
+                f"all-gather inside")
     passed(f"hierarchical all-reduce on 2 nodes x 2 and 2 nodes x 3: the exact sum, and "
            f"{got:g} bytes across nodes for a {N}-byte tensor on the second (a flat ring "
-           f"sends {flat:g})")
+           f"sends {flat:g}), {got / world:g} from each GPU: every NIC carries its share")
 
 
 # The course's own prices of a ring: calling one of them is the chapter's answer, not the

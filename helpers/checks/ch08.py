@@ -72,14 +72,18 @@ def _run_f_g(copy_to, reduce_from):
 def _one_f_g(copy_to, reduce_from, group, index, members):
     import torch.distributed as dist
 
+    from helpers.checks.spy import communication_spy
+
     r = dist.get_rank(group)   # the rank inside the group
     t = len(members)
     # f: rank-dependent input and upstream gradient (f's output feeds this rank's own
     # slice, so its gradient differs per rank), so a missing or extra sum shows
     x = torch.full((3,), float(r + 1), dtype=torch.float64, requires_grad=True)
     w = torch.full((3,), float(10 * (r + 1)), dtype=torch.float64)
-    y = copy_to.apply(x, group)
-    (y * w).sum().backward()
+    with communication_spy(keep_values=False) as f_fwd:
+        y = copy_to.apply(x, group)
+    with communication_spy(keep_values=False) as f_bwd:
+        (y * w).sum().backward()
     f_out = (y.detach().clone(), x.grad.clone())
     # g: its output is whole on every rank, and so is its upstream gradient (the same
     # on every rank, as in a real model); the input is a non-leaf so that an in-place
@@ -88,11 +92,17 @@ def _one_f_g(copy_to, reduce_from, group, index, members):
     x2 = leaf * 1.0
     before = x2.detach().clone()
     w_g = torch.arange(1.0, 4.0, dtype=torch.float64)
-    z = reduce_from.apply(x2, group)
+    with communication_spy(keep_values=False) as g_fwd:
+        z = reduce_from.apply(x2, group)
     in_place = not torch.equal(x2.detach(), before)
-    (z * w_g).sum().backward()
+    with communication_spy(keep_values=False) as g_bwd:
+        (z * w_g).sum().backward()
     g_out = (z.detach().clone(), leaf.grad.clone())
-    return dict(f=f_out, g=g_out, x=x.detach(), w=w, w_g=w_g, t=t, in_place=in_place)
+    wire = {name: (spy.ops(), spy.bytes()) for name, spy in
+            (("f forward", f_fwd), ("f backward", f_bwd), ("g forward", g_fwd),
+             ("g backward", g_bwd))}
+    return dict(f=f_out, g=g_out, x=x.detach(), w=w, w_g=w_g, t=t, in_place=in_place,
+                wire=wire, nbytes=x.numel() * x.element_size())
 
 
 def check_f_g(copy_to, reduce_from) -> None:
@@ -108,8 +118,9 @@ def check_f_g(copy_to, reduce_from) -> None:
                                   reduce_from.forward(None, torch.ones(1), None)))
     for case in CASES:
         _check_f_g_case([out[case] for out in res], case)
-    passed(f"f: identity forward, all-reduce backward; g: all-reduce forward (its input "
-           f"untouched), identity backward (groups of 1 and 3 ranks, and of {WORLD})")
+    passed(f"f: identity forward with no communication, one all-reduce backward; g: one "
+           f"all-reduce forward (its input untouched), identity backward with no "
+           f"communication (groups of 1 and 3 ranks, and of {WORLD})")
 
 
 _NO_GROUP = ("pass group=group to the collective: without it the sum runs over every rank "
@@ -164,6 +175,37 @@ def _check_f_g_case(res: list, case: str) -> None:
         if not torch.equal(dz, out["w_g"]):
             raise CheckFailed(f"{where}: g's backward should return the gradient unchanged, "
                               f"got {dz.tolist()} for {out['w_g'].tolist()}")
+    for rank, out in enumerate(res):   # the numbers are right: was the traffic?
+        _check_f_g_wire(out, _case_name(case, out["members"], rank), len(out["members"]))
+
+
+# What each half of f and g may put on the wire: one all-reduce of the tensor (of a group
+# of more than one rank), or nothing (Megatron's _CopyToModelParallelRegion and
+# _ReduceFromModelParallelRegion, megatron/core/tensor_parallel/mappings.py).
+_F_G_WIRE = {"f forward": False, "f backward": True, "g forward": True, "g backward": False}
+
+
+def _check_f_g_wire(out: dict, where: str, members: int) -> None:
+    for half, reduces in _F_G_WIRE.items():
+        ops, nbytes = out["wire"][half]
+        if not reduces:
+            if ops:
+                raise CheckFailed(f"{where}: {half} communicated ({', '.join(ops)}): it is "
+                                  f"the identity, with no communication at all")
+            continue
+        if not ops and members == 1:
+            continue  # a group of one rank: nothing to sum (an all-reduce is fine too)
+        if ops != ["all_reduce"]:
+            raise CheckFailed(
+                f"{where}: {half} gave the right sum through "
+                f"{', '.join(ops) or 'no collective'} ({nbytes:,} bytes handed in by this "
+                f"rank): the sum over the group is one all-reduce of the "
+                f"{out['nbytes']:,}-byte tensor. A gather then a local sum moves t - 1 times "
+                f"the tensor to every rank and holds t copies of it")
+        if nbytes != out["nbytes"]:
+            raise CheckFailed(f"{where}: {half} all-reduced {nbytes:,} bytes for a "
+                              f"{out['nbytes']:,}-byte tensor: all-reduce the tensor itself, "
+                              f"once")
 
 
 def _run_layers(column_cls, row_cls):

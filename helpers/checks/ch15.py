@@ -180,8 +180,15 @@ def check_gather_free(gather, free) -> None:
             if out["states"][2] is not False:
                 raise CheckFailed(f"{where}, rank {rank}: after free the storage still holds "
                                   f"bytes; shrink it to 0 with resize_(0)")
+            if out["param_bytes"]:
+                raise CheckFailed(f"{where}, rank {rank}: after free unit.full is empty, but "
+                                  f"the Linear's parameters still view {out['param_bytes']:,} "
+                                  f"bytes: unit.full was given another storage (as "
+                                  f"`unit.full.data = ...` does) and the old one, which the "
+                                  f"parameters view, stays alive. Shrink the storage itself: "
+                                  f"unit.full.untyped_storage().resize_(0)")
     passed("gather fills the full buffer in place from padded shards (3 ranks, and two groups "
-           "of 2); free returns it to 0 bytes")
+           "of 2); free returns the storage the parameters view to 0 bytes")
 
 
 def _run_attach(gather, free, attach, steps):
@@ -346,29 +353,14 @@ def _run_post_backward(post_backward, steps, own_group=False):
         "all_gather_into_tensor": "post_backward only reduce-scatters: nothing is gathered "
                                   "after backward",
         "all_gather": "post_backward only reduce-scatters: nothing is gathered after backward"}
-    import helpers.comm as comm
-    saved = {name: getattr(dist, name) for name in refused}
-    saved_comm = comm._all_gather
-
-    def refuse(name):
-        def collective(*args, **kwargs):
-            raise RuntimeError(f"{name} refused: {refused[name]}")
-        return collective
-
     shards, calls, problems = {}, [], []
 
     def on_grad(p, u, i):
         if all(q.grad is not None for q in u.params):  # the unit's last gradient
-            for name in refused:
-                setattr(dist, name, refuse(name))
-            comm._all_gather = refuse("all_gather")
-            try:
-                with GroupWatch(group, {}), refusing(exercise="post_backward", paths=_UNIT_HELPERS):
-                    out = post_backward(u, _ref_free)
-            finally:
-                for name, real in saved.items():
-                    setattr(dist, name, real)
-                comm._all_gather = saved_comm
+            # refused however spelled (dist.x, an imported name, helpers.comm's own)
+            with GroupWatch(group, refused), \
+                    refusing(exercise="post_backward", paths=_UNIT_HELPERS):
+                out = post_backward(u, _ref_free)
             calls.append(i)
             if is_gathered(u):
                 problems.append(f"unit {i} was still gathered after post_backward: free it")

@@ -230,32 +230,31 @@ def _reference_messages(world: int, k: int | None = None) -> list[list[torch.Ten
 
 
 def _run_topk(make_hook):
-    import torch.distributed as dist
-
     from helpers import rank_info
+    from helpers.checks.spy import communication_spy
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("dense all_reduce refused: top-k sends only its k values and "
-                           "their indices (gather them from every rank)")
-
-    dist.all_reduce = refuse  # this rank only: it is a fresh process
+    dense = {"all_reduce": "dense all_reduce refused: top-k sends only its k values and "
+                           "their indices (gather them from every rank)"}
     r = rank_info()
     with refusing(exercise="make_hook", paths={"helpers.compression.TopKHook": "it is the course's answer to "
                               "this exercise: write the hook yourself"}):
         hook = make_hook(TOPK_RATIO)
     buf = torch.empty(TOPK_NUMEL, device=r.device)  # one bucket buffer, reused every step
-    results = []
+    results, wire = [], []
     for step in range(TOPK_STEPS):
         buf.copy_(_topk_grads(r.rank, step))
-        fut = hook(buf, None)
-        if not isinstance(fut, torch.futures.Future):
-            raise TypeError(f"the hook returned {type(fut).__name__}, not a torch.futures.Future")
-        value = fut.wait()
+        with communication_spy(refuse=dense, keep_values=False) as spy:
+            fut = hook(buf, None)
+            if not isinstance(fut, torch.futures.Future):
+                raise TypeError(f"the hook returned {type(fut).__name__}, not a "
+                                f"torch.futures.Future")
+            value = fut.wait()
+        wire.append((sorted({c.op for c in spy.calls}), spy.bytes()))
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"the hook's future holds {type(value).__name__}, not the bucket's "
                             f"new value (a tensor)")
         results.append(value.clone())
-    return results
+    return results, wire
 
 
 def check_topk_ef_hook(topk_ef_hook) -> None:
@@ -281,9 +280,34 @@ def check_topk_ef_hook(topk_ef_hook) -> None:
     for world in TOPK_WORLDS:
         res = on_ranks(_run_topk, world, topk_ef_hook, timeout=60,
                        what=f"the hook on {world} ranks")
-        _compare_topk(res, world)
-    passed("top-k with error feedback on 3 and 4 ranks: every call's mean of the ranks' sparse "
-           "messages, errors carried between calls, only values and indices exchanged")
+        _compare_topk([values for values, _ in res], world)
+        most = _check_topk_wire([wire for _, wire in res], world)
+    passed(f"top-k with error feedback on 3 and 4 ranks: every call's mean of the ranks' "
+           f"sparse messages, errors carried between calls; each rank handed at most "
+           f"{most} bytes a call to the collectives (k values and indices; the dense bucket "
+           f"is {TOPK_NUMEL * 4})")
+
+
+# What one rank may hand to the collectives per call: k float32 values and k int64
+# indices (the course's TopKHook), with room for a small count; a dense float32 bucket is
+# TOPK_NUMEL x 4 = 180 bytes, k x 12 = 60.
+def _topk_wire_limit() -> int:
+    return math.ceil(TOPK_RATIO * TOPK_NUMEL) * (4 + 8) + 16
+
+
+def _check_topk_wire(wires: list, world: int) -> int:
+    limit, most = _topk_wire_limit(), 0
+    for rank, calls in enumerate(wires):
+        for step, (ops, nbytes) in enumerate(calls):
+            most = max(most, nbytes)
+            if nbytes > limit:
+                raise CheckFailed(
+                    f"{world} ranks, rank {rank}, call {step + 1}: the hook handed {nbytes:,} "
+                    f"bytes to {', '.join(ops)}; top-k sends only its k = "
+                    f"{math.ceil(TOPK_RATIO * TOPK_NUMEL)} values and their indices (at most "
+                    f"{limit} bytes). A dense vector holding the top k, gathered from every "
+                    f"rank, moves more than the all-reduce top-k is meant to replace")
+    return most
 
 
 def _compare_topk(res: list, world: int) -> None:

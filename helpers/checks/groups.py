@@ -14,9 +14,9 @@ A lab function that takes ``group=`` (ZeRO's shard group, an FSDP unit's group, 
 group) must pass it to every collective. Run on the default group with every rank, code
 that forgets it gives the right numbers; with two groups of two ranks it mixes the
 groups, and gloo fails with a size check or hangs, naming nothing. ``GroupWatch(group,
-refuse)`` wraps the flat collectives (torch's names and ``helpers.comm``'s aliases) for
-the duration: a call whose ``group`` is not the one given raises at once, saying so, on
-every rank alike; the collectives named in ``refuse`` raise with their reason.
+refuse)`` watches the flat collectives, however they are spelled, for the duration: a
+call whose ``group`` is not the one given raises at once, saying so, on every rank alike;
+the collectives named in ``refuse`` raise with their reason.
 """
 
 from __future__ import annotations
@@ -28,51 +28,37 @@ class GroupWatch:
     """Inside ``with``: the collectives named in ``refuse`` raise with a reason, and,
     when a group was given, a flat collective called without ``group=group`` raises
     before it runs (it would run over the whole world and fail on a size check, or
-    hang, with no word of the cause), on every rank alike.
+    hang, with no word of the cause), on every rank alike. It watches the process
+    group's methods (``helpers.launch.wire``), so torch's names, names imported before,
+    and ``helpers.comm``'s own are all seen."""
 
-    ``helpers.comm`` holds torch's reduce-scatter and all-gather under its own names
-    (``_reduce_scatter``, ``_all_gather``), so those are wrapped there too."""
-
-    FLAT = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter",
-            "all_gather_single", "all_gather_into_tensor", "all_gather")
+    FLAT = ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor")
 
     def __init__(self, group, refuse: dict):
-        self.group, self.refuse, self.saved = group, refuse, []
+        self.group, self.refuse = group, refuse
+        self._watch = None
 
-    def _wrap(self, name, real):
-        import inspect
-
-        sig = inspect.signature(real)
-
-        def collective(*args, **kwargs):
-            if name in self.refuse:
-                raise RuntimeError(f"dist.{name} refused: {self.refuse[name]}")
-            given = sig.bind_partial(*args, **kwargs).arguments.get("group")
-            if self.group is not None and given is not self.group:
-                raise RuntimeError(f"{name} called without group=group: it would run over "
-                                   f"every rank, not this rank's group. Pass group=group to "
-                                   f"every collective, and use dist.get_rank(group) and "
-                                   f"dist.get_world_size(group)")
-            return real(*args, **kwargs)
-        return collective
+    def before(self, call) -> None:
+        """The wire's observer."""
+        why = self.refuse.get(call.op, self.refuse.get(call.api))
+        if why is not None:
+            raise RuntimeError(f"dist.{call.api} refused: {why}")
+        if self.group is not None and call.op in self.FLAT and \
+                call.group.group_name != self.group.group_name:
+            raise RuntimeError(f"{call.api} called without group=group: it would run over "
+                               f"every rank, not this rank's group. Pass group=group to "
+                               f"every collective, and use dist.get_rank(group) and "
+                               f"dist.get_world_size(group)")
 
     def __enter__(self):
-        import torch.distributed as dist
+        from helpers.launch import wire
 
-        import helpers.comm as comm
-        for name in (*self.FLAT, *self.refuse):
-            if hasattr(dist, name):
-                self.saved.append((dist, name, getattr(dist, name)))
-        for alias, name in (("_reduce_scatter", "reduce_scatter_single"),
-                            ("_all_gather", "all_gather_single")):
-            self.saved.append((comm, alias, getattr(comm, alias)))
-        for mod, name, real in self.saved:
-            setattr(mod, name, self._wrap(name.lstrip("_") if mod is comm else name, real))
+        self._watch = wire.observing(self)
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for mod, name, real in self.saved:
-            setattr(mod, name, real)
+        self._watch.__exit__(*exc)
 
 
 def split_world(layout: list[list[int]]):
