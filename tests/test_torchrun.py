@@ -260,3 +260,37 @@ def test_the_per_machine_limit_counts_the_ranks_on_this_machine(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(limit + 1))
     with pytest.raises(ValueError, match=r"--nproc_per_node"):
         course_torchrun._check_local_ranks()
+
+
+def test_an_agent_that_loses_the_rendezvous_goes_on_watching_its_ranks(monkeypatch, capsys):
+    """torch 2.13's agent asks the rendezvous, while its ranks run, whether nodes wait to
+    join; when the host's agent has ended (its ranks failed) the question raised and
+    ended this agent before it reported its own failing ranks (two nodes of two ranks
+    on one machine, a rank of the host's node raising: 2 runs of 3 when the other
+    node's ranks waited in the same all-reduce, 2 of 2 when they were still computing).
+    Under python -m helpers.launch the lost rendezvous means no node waits, said once."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import \
+        DynamicRendezvousHandler as Handler
+
+    from helpers.launch.__main__ import tolerate_a_lost_rendezvous
+
+    monkeypatch.setattr(Handler, "num_nodes_waiting", Handler.num_nodes_waiting)  # restored after
+    asked = []
+
+    class Gone:
+        def sync(self):
+            asked.append(1)
+            raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    agent = type("Agent", (), {"_heartbeat_lock": threading.Lock(), "_state_holder": Gone(),
+                               "_record": lambda self, **kw: None})()
+    with pytest.raises(RendezvousConnectionError):
+        Handler.num_nodes_waiting(agent)  # torch's own
+    tolerate_a_lost_rendezvous()
+    tolerate_a_lost_rendezvous()  # (twice: wrapped once)
+    assert [Handler.num_nodes_waiting(agent) for _ in range(3)] == [0, 0, 0]
+    assert len(asked) == 2  # torch's, then the first under the course's; not again
+    assert capsys.readouterr().err.count("the rendezvous is gone") == 1

@@ -30,6 +30,8 @@ with errors of their own before the agent has seen it:
   line yet (a rank killed, out of memory), it waits for this node's agent to stop it,
   at most ``LINGER`` seconds after the first rank of the job saw a peer go, then
   raises the same way (saying no rank reported an error of its own, if none did).
+  If the store is gone (torchrun's agent of node rank 0 holds it, and ends once a
+  rank of its own failed), it says so at once: that node's root cause names the rank.
 * Any other error (a timeout, a mistake of the rank's own) is the rank's own.
 
 Cost: nothing while the job runs; a store round trip or two when a rank fails.
@@ -184,11 +186,16 @@ def _record_for_torchrun(exc: BaseException) -> None:
             ErrorHandler().record_exception(exc)
 
 
+def _report(store) -> dict | None:
+    """The first failed rank's line in the job's store, if one wrote it."""
+    if store.check([_key("failed")]):
+        return json.loads(store.get(_key("failed")))
+    return None
+
+
 def _read_report() -> dict | None:
     with contextlib.suppress(Exception):
-        store = _store()
-        if store.check([_key("failed")]):
-            return json.loads(store.get(_key("failed")))
+        return _report(_store())
     return None
 
 
@@ -205,7 +212,7 @@ def _fail(exc: BaseException) -> None:
     if not own:
         mine = mine.split(". ")[0]  # (gloo goes on: "This is typically caused by ...")
     if not own and any(w in str(exc).lower() for w in _PEER_GONE):
-        _peer_failed(exc, mine, _wait_for_agent())
+        _peer_failed(exc, mine, *_wait_for_agent())
     report = _read_report()
     if report is not None and report["rank"] != dist.get_rank() and not own:
         _peer_failed(exc, mine, report)  # a timeout, say, after another rank failed
@@ -216,27 +223,36 @@ def _fail(exc: BaseException) -> None:
     _record_for_torchrun(exc)
 
 
-def _wait_for_agent() -> dict | None:
+def _wait_for_agent() -> tuple[dict | None, bool]:
     """A peer went away. Wait (up to LINGER s after the job's first such sighting) for
     this node's agent to stop this rank, unless the report names a rank on another
-    node; return the report, if any."""
-    now = time.time()
-    first = now
-    with contextlib.suppress(Exception):
-        first = float(_store().compare_set(_key("peer_gone_at"), "", repr(now)))
-    report = _read_report()
-    while (report is None or report["node"] == _node()) and time.time() < first + LINGER:
-        time.sleep(0.05)
-        if report is None:
-            report = _read_report()
-    return report
+    node. Returns the report, if any, and whether the store answered: it lives in the
+    agent of node rank 0, which ends once a rank of its own failed."""
+    store = _store()
+    try:
+        first = float(store.compare_set(_key("peer_gone_at"), "", repr(time.time())))
+        report = _report(store)
+        while (report is None or report["node"] == _node()) and time.time() < first + LINGER:
+            time.sleep(0.05)
+            if report is None:
+                report = _report(store)
+        return report, True
+    except Exception:  # (the store's connection is gone: asking again only fails again)
+        return None, False
 
 
-def _peer_failed(exc: BaseException, mine: str, report: dict | None) -> NoReturn:
+def _peer_failed(exc: BaseException, mine: str, report: dict | None,
+                 store_answered: bool = True) -> NoReturn:
     import torch.distributed as dist
 
     me = dist.get_rank()
-    if report is None:
+    if not store_answered:
+        store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        err = RankError(f"rank {me} stopped because a peer went away ({mine}), and the job's "
+                        f"store at {store} is gone too: it lives in the torchrun agent of node "
+                        f"rank 0, which ends once a rank of its own failed. That node's "
+                        f"'Root Cause' names the rank.", rank=me, exc_type="died")
+    elif report is None:
         err = RankError(f"rank {me} stopped because a peer went away ({mine}), and no rank "
                         f"reported an error of its own within {LINGER:g} s: a rank died (killed, "
                         f"out of memory, a crash) or its node went away. torchrun's 'Root Cause' "
