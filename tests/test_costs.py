@@ -269,6 +269,42 @@ def test_dp_zero3_hides_behind_the_step_and_zero1_gathers_after_it():
     assert c.sent == pytest.approx(2 * 15 / 16 * params * 2, rel=1e-12)
 
 
+def test_dp_zero2_pays_for_its_sharded_gradients_once_per_micro_batch():
+    # ZeRO-2 under accumulation: either a reduce-scatter per micro-batch with the shard
+    # held, or whole gradients held until one reduce-scatter, which is ZeRO-1 exactly
+    topo = h100_cluster(2)
+    params = LLAMA_7B.dense_params()
+    kw = dict(dp=16, tp=1, pp=1, micro_batches=4)
+    assert costs.dp_ops(LLAMA_7B, zero=2, **kw) == (
+        ("reduce", "reduce_scatter", params * 2, 16, 1, 4),
+        ("gather", "all_gather", params * 2, 16, 1, 1))
+    assert costs.dp_ops(LLAMA_7B, zero=2, whole_grads=True, **kw) == costs.dp_ops(
+        LLAMA_7B, zero=1, **kw)
+    # one micro-batch: the two are the same step
+    one = dict(kw, micro_batches=1)
+    assert costs.dp_ops(LLAMA_7B, zero=2, **one) == costs.dp_ops(LLAMA_7B, zero=1, **one)
+    ring = costs.ring_time(topo, "reduce_scatter", params * 2, 16)
+    gather = costs.ring_time(topo, "all_gather", params * 2, 16)
+    for t_mb in (0.01, 0.5 * ring, 10.0):
+        c = costs.dp_cost(LLAMA_7B, topo, zero=2, micro_batch_time=t_mb, **kw)
+        assert c.time == pytest.approx(4 * ring + gather, rel=1e-12)
+        # each micro-batch's reduce-scatter behind its own backward (2/3 of t_mb); the
+        # all-gather (not overlapped by default) shows whole
+        hidden = min(ring, 2 / 3 * t_mb)
+        assert c.exposed == pytest.approx(4 * (ring - hidden) + gather, rel=1e-12)
+        whole = costs.dp_cost(LLAMA_7B, topo, zero=2, whole_grads=True, micro_batch_time=t_mb,
+                              **kw)
+        assert whole == costs.dp_cost(LLAMA_7B, topo, zero=1, micro_batch_time=t_mb, **kw)
+        assert c.sent == pytest.approx(whole.sent + 3 * 15 / 16 * params * 2, rel=1e-12)
+    # memory: the shard, or (whole_grads) ZeRO-1's whole gradients
+    w1, g1, o1 = costs.model_state(LLAMA_7B, 1, 16, 1)
+    w2, g2, o2 = costs.model_state(LLAMA_7B, 1, 16, 2)
+    assert (w2, o2) == (w1, o1) and g2 == pytest.approx(g1 / 16, rel=1e-12)
+    assert costs.model_state(LLAMA_7B, 1, 16, 2, whole_grads=True) == (w1, g1, o1)
+    assert costs.model_state(LLAMA_7B, 1, 16, 3, whole_grads=True) == costs.model_state(
+        LLAMA_7B, 1, 16, 3)                       # only stage 2 has the choice
+
+
 def test_dp_experts_reduce_over_the_ranks_that_share_them():
     moe = ModelSpec(name="MoE", layers=16, hidden=2048, heads=16, vocab=32000, seq=2048,
                     experts=8, top_k=2)

@@ -278,6 +278,13 @@ def test_torchtitan_interleaved_schedule_gets_two_stages_per_rank():
                            "[training]\nlocal_batch_size = 8\n", 8)
     assert (plan.pp, plan.vpp, plan.dp, plan.micro_batch, plan.grad_accum) == (4, 2, 2, 1, 8)
     assert plan.zero_stage == 2        # "default" keeps weights gathered under a pipeline
+    # and torch's pipelining syncs an FSDP stage's gradients on the last micro-batch only
+    assert plan.whole_grads
+    flat = from_torchtitan("[parallelism]\nfsdp_reshard_after_forward = 'never'\n"
+                           "[training]\nlocal_batch_size = 8\n", 8)
+    assert flat.zero_stage == 2 and not flat.whole_grads      # no pipeline: FSDP2 syncs each
+    with pytest.raises(ValueError, match="whole_grads is a ZeRO-2 choice"):
+        Plan(zero_stage=1, whole_grads=True).validate(1)
 
 
 def test_experts_split_over_ep_and_pay_all_to_alls():

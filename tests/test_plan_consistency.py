@@ -54,9 +54,12 @@ CASES = [
     (MOE, Layout(16, 1, 1, ep=4, zero=1), 256, 2),
     # plain DP over 8 whole nodes: the all-reduce on all 8 NICs of each node
     (GPT_1B, Layout(64, 1, 1, zero=0, recompute="selective", micro_batch=4), 256, 8),
+    # ZeRO-2 over 8 micro-batches: a reduce-scatter each, or whole gradients held
+    (LLAMA_7B, Layout(8, 1, 1, zero=2, recompute="selective"), 64, 1),
+    (LLAMA_7B, Layout(8, 1, 1, zero=2, recompute="selective", whole_grads=True), 64, 1),
 ]
 IDS = ["7B-ZeRO1-8", "70B-TP8-PP4-v2", "GPT3-TP8-PP16", "7B-ZeRO3-16", "7B-TP4-PP4-2nodes",
-       "70B-CP2", "MoE-EP4", "1B-DP64-ZeRO0"]
+       "70B-CP2", "MoE-EP4", "1B-DP64-ZeRO0", "7B-ZeRO2-8", "7B-ZeRO2-whole-8"]
 MEMORY = {"weights": "weights", "grads": "gradients", "optimizer": "optimizer state",
           "gathered": "gathered layers", "activations": "activations"}
 TIME = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "tp (exposed)",

@@ -336,6 +336,42 @@ def test_spec_and_layout_refuse_bad_values():
         Layout(8, 1, 1, zero=True)
     with pytest.raises(ValueError, match="recompute"):
         Layout(8, 1, 1, recompute="some")
+    with pytest.raises(ValueError, match="whole_grads is a ZeRO-2 choice"):
+        Layout(8, 1, 1, zero=1, whole_grads=True)
+
+
+def test_zero2_under_accumulation_pays_in_memory_or_in_traffic():
+    # 16 micro-batches a step. ZeRO-2's shard is held only by reduce-scattering every
+    # micro-batch; holding the whole gradients until one reduce-scatter is ZeRO-1.
+    topo = h100_cluster(8)
+    kw = dict(dp=64, tp=1, pp=1, recompute="full", micro_batch=1)
+    e1, e2, e2w = (evaluate(LLAMA_7B, Layout(zero=z, whole_grads=w, **kw), 1024, H100_80GB, topo)
+                   for z, w in ((1, False), (2, False), (2, True)))
+    assert e2w.memory == e1.memory and e2w.time == e1.time
+    assert e2.memory["grads"] == pytest.approx(e1.memory["grads"] / 64, rel=1e-12)
+    dp = {z: dp_cost(LLAMA_7B, topo, dp=64, tp=1, pp=1, zero=z, micro_batches=16).time
+          for z in (1, 2)}
+    # 16 reduce-scatters + 1 all-gather, against 1 + 1 (a ring reduce-scatter and
+    # all-gather of one size take the same time)
+    assert dp[2] == pytest.approx(17 / 2 * dp[1], rel=1e-12)
+    assert e2.time["dp_comm"] >= e1.time["dp_comm"]
+    assert "whole grads" in e2w.layout.short() and "whole" not in e2.layout.short()
+    plan19 = e2w.layout.to_plan(1024)
+    assert plan19.whole_grads and Layout.from_plan(plan19) == e2w.layout
+    # one micro-batch a step: nothing to accumulate, the choice changes nothing
+    one = dict(kw, micro_batch=16)
+    assert (evaluate(LLAMA_7B, Layout(zero=2, whole_grads=True, **one), 1024, H100_80GB,
+                     topo).memory
+            == evaluate(LLAMA_7B, Layout(zero=2, **one), 1024, H100_80GB, topo).memory)
+
+
+def test_the_gpt_1t_winner_is_not_a_free_zero2():
+    # Narayanan et al.'s 1T GPT with every option: a ZeRO-2 that pays for its sharded
+    # gradients (a reduce-scatter per micro-batch) no longer wins with 8 stages
+    m = gpt(1008.0, 160, 25600, 128)
+    p = plan(m, 3072, A100_80GB, a100_cluster(384), cp_sizes=(1,))
+    best = p.best.layout
+    assert not (best.zero == 2 and 3072 // best.dp // best.micro_batch > 1), best.short()
 
 
 def test_untied_input_embedding_is_not_counted_as_flops():

@@ -33,17 +33,28 @@ placement), so a strided group that spreads one GPU per node pays for it.
     ep   dispatch and combine all-to-alls forward, their transposes backward:
          4 per MoE layer per micro-batch of top_k copies of each token (chapter
          21), 1/tp of the tokens with sequence parallelism. Exposed: all.
-    dp   ZeRO-0: one gradient all-reduce per step. ZeRO-1/2: reduce-scatter the
+    dp   ZeRO-0: one gradient all-reduce per step. ZeRO-1: reduce-scatter the
          gradients, all-gather the updated weights, once per step (chapter 14).
-         ZeRO-3: all-gather each layer's weights before its forward and again
-         before its backward, reduce-scatter its gradients, every micro-batch
-         (chapter 15). Hybrid sharding adds an all-reduce of the gradient shard
-         across replicas. Experts are reduced over the dp x cp / ep ranks that
-         share them. Exposed: the gradient reduction beyond the last
-         micro-batch's backward (2/3 of its compute) when overlapped, the
-         weight all-gather of ZeRO-1/2 beyond the next step's first forward
-         (1/3) when overlapped; ZeRO-3 beyond the whole step's compute when
-         prefetched and overlapped (chapter 16).
+         ZeRO-2 shards the gradients, which a step of m micro-batches
+         accumulates, so it pays one way or the other: it reduce-scatters every
+         micro-batch's gradients and accumulates only its shard (m
+         reduce-scatters a step; Rajbhandari et al. 2020, sec. 5.2, and
+         DeepSpeed's engine: "ZeRO stage >= 2 communicates during non gradient
+         accumulation boundaries as well"), or it holds the whole gradients
+         until the step's one reduce-scatter (``whole_grads``: torch 2.13's
+         pipelining runs an FSDP stage's micro-batches but the last with
+         ``set_requires_gradient_sync(False)``), and then its memory and
+         traffic are ZeRO-1's. ZeRO-3: all-gather each layer's weights before
+         its forward and again before its backward, reduce-scatter its
+         gradients, every micro-batch (chapter 15). Hybrid sharding adds an
+         all-reduce of the gradient shard across replicas. Experts are reduced
+         over the dp x cp / ep ranks that share them. Exposed: a reduction
+         beyond the backward it overlaps (2/3 of a micro-batch's compute): the
+         once-a-step ones and the last micro-batch's reduce-scatter behind the
+         last backward, each earlier micro-batch's reduce-scatter behind its
+         own; the weight all-gather of ZeRO-1/2 beyond the next step's first
+         forward (1/3) when overlapped; ZeRO-3 beyond the whole step's compute
+         when prefetched and overlapped (chapter 16).
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ if TYPE_CHECKING:
     from helpers.modelspec import ModelSpec
 
 __all__ = ["AxisCost", "NO_COST", "tp_cost", "pp_cost", "cp_cost", "ep_cost", "dp_ops",
-           "dp_cost"]
+           "dp_cost", "reduces_every_micro_batch"]
 
 
 @dataclass(frozen=True)
@@ -138,17 +149,28 @@ def ep_cost(model: "ModelSpec", topo: Topology, *, tp: int, ep: int, tokens: int
     return AxisCost(count * sent_bytes("all_to_all", nbytes, ep), t, t)
 
 
+def reduces_every_micro_batch(zero: int, whole_grads: bool = False) -> bool:
+    """Whether ZeRO stage ``zero`` reduce-scatters the gradients after every
+    micro-batch's backward: stage 3 always (the course's FSDP frees what it
+    gathered), stage 2 unless it holds whole gradients until the step's end
+    (``whole_grads``); stages 0 and 1 keep whole gradients and reduce once."""
+    return zero == 3 or (zero == 2 and not whole_grads)
+
+
 @functools.lru_cache(maxsize=None)
 def dp_ops(model: "ModelSpec", *, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
            zero: int = 0, micro_batches: int = 1, shard: int | None = None,
-           grad_bytes: float = 2, weight_bytes: float = 2) -> tuple:
+           grad_bytes: float = 2, weight_bytes: float = 2, whole_grads: bool = False) -> tuple:
     """The data-parallel collectives of one step, each as (kind, collective, bytes,
     group size, stride, count): kind "reduce" (gradients) or "gather" (weights).
 
     ``shard``: the ranks ZeRO shards over (default dp x cp; hybrid sharding:
     dp_shard x cp, the replicas then all-reduce their gradient shard).
     ``grad_bytes``: bytes per gradient value reduced (4 with fp32 main grads);
-    ``weight_bytes``: per weight value gathered (the compute dtype). Cached."""
+    ``weight_bytes``: per weight value gathered (the compute dtype).
+    ``whole_grads`` (ZeRO-2): the gradients are accumulated whole and
+    reduce-scattered once per step instead of once per micro-batch
+    (``reduces_every_micro_batch``). Cached."""
     group = dp * cp
     shard = group if shard is None else shard
     dense = model.dense_params()
@@ -160,15 +182,15 @@ def dp_ops(model: "ModelSpec", *, dp: int, tp: int, pp: int, cp: int = 1, ep: in
         sets.append((experts / (tp * pp * ep), e_shard, inner * ep, group // ep // e_shard,
                      inner * ep * e_shard))
     ops = []
-    per_micro = micro_batches if zero == 3 else 1
+    reductions = micro_batches if reduces_every_micro_batch(zero, whole_grads) else 1
+    gathers = 2 * micro_batches if zero == 3 else 1   # ZeRO-1/2: the updated weights, once
     for params, size, stride, replicas, r_stride in sets:
         grads, weights = params * grad_bytes, params * weight_bytes
         if zero == 0:
             ops.append(("reduce", "all_reduce", grads, size * replicas, stride, 1))
             continue
-        ops.append(("reduce", "reduce_scatter", grads, size, stride, per_micro))
-        ops.append(("gather", "all_gather", weights, size, stride,
-                    per_micro * (2 if zero == 3 else 1)))
+        ops.append(("reduce", "reduce_scatter", grads, size, stride, reductions))
+        ops.append(("gather", "all_gather", weights, size, stride, gathers))
         if replicas > 1:
             ops.append(("reduce", "all_reduce", grads / size, replicas, r_stride, 1))
     return tuple(ops)
@@ -177,19 +199,26 @@ def dp_ops(model: "ModelSpec", *, dp: int, tp: int, pp: int, cp: int = 1, ep: in
 def dp_cost(model: "ModelSpec", topo: Topology, *, dp: int, tp: int, pp: int, cp: int = 1,
             ep: int = 1, zero: int = 0, micro_batches: int = 1, micro_batch_time: float = 0.0,
             shard: int | None = None, grad_bytes: float = 2, weight_bytes: float = 2,
-            overlap_grad_reduce: bool = True, overlap_param_gather: bool = False) -> AxisCost:
+            overlap_grad_reduce: bool = True, overlap_param_gather: bool = False,
+            whole_grads: bool = False) -> AxisCost:
     """Data parallelism (``dp_ops``), exposed as the module docstring says;
-    ``micro_batch_time``: one micro-batch's forward + backward compute (t_b = 2 t_f)."""
-    reduce_t = gather_t = sent = 0.0
+    ``micro_batch_time``: one micro-batch's forward + backward compute (t_b = 2 t_f).
+    ``whole_grads``: ZeRO-2 accumulates whole gradients and reduce-scatters once."""
+    per_micro = zero != 3 and reduces_every_micro_batch(zero, whole_grads)
+    once_t = micro_t = gather_t = sent = 0.0     # micro_t: one micro-batch's reduce-scatters
     for kind, coll, nbytes, size, stride, count in dp_ops(
             model, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batches=micro_batches,
-            shard=shard, grad_bytes=grad_bytes, weight_bytes=weight_bytes):
-        t = count * collective_time(topo, coll, nbytes, size, stride)
+            shard=shard, grad_bytes=grad_bytes, weight_bytes=weight_bytes,
+            whole_grads=whole_grads):
+        one = collective_time(topo, coll, nbytes, size, stride)
         sent += count * sent_bytes(coll, nbytes, size)
-        if kind == "reduce":
-            reduce_t += t
+        if kind == "gather":
+            gather_t += count * one
+        elif per_micro and coll == "reduce_scatter":
+            micro_t += one                        # count = micro_batches: one per backward
         else:
-            gather_t += t
+            once_t += count * one
+    reduce_t = once_t + micro_t * (micro_batches if per_micro else 0)
     total = reduce_t + gather_t
     if zero == 3:
         # prefetched gathers and overlapped reduce-scatters hide behind the whole step
@@ -198,6 +227,11 @@ def dp_cost(model: "ModelSpec", topo: Topology, *, dp: int, tp: int, pp: int, cp
         exposed = total - hideable + max(0.0, hideable - micro_batch_time * micro_batches)
     else:
         backward, forward = micro_batch_time * 2 / 3, micro_batch_time / 3
-        exposed = (max(0.0, reduce_t - (backward if overlap_grad_reduce else 0.0))
-                   + max(0.0, gather_t - (forward if overlap_param_gather else 0.0)))
+        hide = backward if overlap_grad_reduce else 0.0
+        # each earlier micro-batch's reduce-scatter behind its own backward; the last one
+        # and the once-a-step reductions behind the last backward
+        exposed_reduce = max(0.0, micro_t + once_t - hide)
+        if per_micro:
+            exposed_reduce += (micro_batches - 1) * max(0.0, micro_t - hide)
+        exposed = exposed_reduce + max(0.0, gather_t - (forward if overlap_param_gather else 0.0))
     return AxisCost(sent, total, exposed)

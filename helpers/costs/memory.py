@@ -6,7 +6,9 @@
     model state           ``helpers.memory.model_state_bytes`` (ch. 06, 14) on the
                           parameters a GPU owns: the dense ones / (tp pp), experts
                           also / ep, ZeRO-sharded over the ranks that hold the same
-                          weights (dp x cp; for experts dp x cp / ep)
+                          weights (dp x cp; for experts dp x cp / ep); ZeRO-2 that
+                          accumulates whole gradients over a step's micro-batches
+                          holds them whole (``whole_grads``)
     activations           ``helpers.memory.activation_bytes_model`` (Korthikanti et
                           al. 2022, Table 2 and sec. 4.2.3; ch. 06, 10, 13) on the
                           first pipeline stage, seq / cp tokens, doubled in fp32;
@@ -80,13 +82,22 @@ def stage_layers(model: "ModelSpec", pp: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def model_state(model: "ModelSpec", model_parallel: int, shard: int, zero: int, ep: int = 1,
-                per_param: tuple = MIXED_ADAM) -> tuple[float, float, float]:
+                per_param: tuple = MIXED_ADAM,
+                whole_grads: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per GPU: the dense parameters split
     over ``model_parallel`` = tp x pp GPUs, ZeRO stage ``zero`` sharding them over
     ``shard`` ranks (dp x cp: CP ranks hold the same weights, and Megatron's
     distributed optimizer shards over both); the experts also split over ``ep``
-    and sharded over the shard / ep ranks that hold the same expert."""
+    and sharded over the shard / ep ranks that hold the same expert.
+
+    ``whole_grads``: ZeRO-2 whose step accumulates its micro-batches' gradients whole
+    and reduce-scatters them once (``helpers.costs.axes``): until then every GPU holds
+    the whole gradient, so its state is ZeRO-1's. The caller passes it only when the
+    step has more than one micro-batch (with one, the backward's reduce-scatters free
+    the gradient as they go)."""
     w_b, g_b, o_b = per_param
+    if zero == 2 and whole_grads:
+        zero = 1
     dense = model.dense_params()
     s = model_state_bytes(dense / model_parallel, dp=shard, zero_stage=zero,
                           param_bytes=w_b, grad_bytes=g_b, optimizer_bytes=o_b)

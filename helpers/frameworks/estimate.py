@@ -25,9 +25,12 @@ prices it, on the group's placement in Megatron's rank order)
           (chapter 09's count; 6 with full recompute, whose re-run forward
           repeats the forward two)
     dp    gradients reduced once per step (all-reduce, or reduce-scatter +
-          all-gather of the weights with a sharded optimizer); stage 3 gathers
-          weights in forward and backward and reduce-scatters gradients for every
-          micro-batch (chapter 14-15); experts over the ranks that share them
+          all-gather of the weights with a sharded optimizer); stage 2
+          reduce-scatters every micro-batch's gradients unless ``whole_grads``
+          holds them whole until the step's one reduce-scatter (then its
+          gradient memory is whole too); stage 3 gathers weights in forward and
+          backward and reduce-scatters gradients for every micro-batch (chapter
+          14-15); experts over the ranks that share them
     pp    one activation forward, one gradient back per micro-batch per model
           chunk (chapter 11), 1/t of it with sequence parallelism
     cp    K and V all-gathered forward and backward, their gradients
@@ -183,7 +186,8 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster,
 
     # -- memory ------------------------------------------------------------
     weights, grads, optimizer = costs.model_state(m, p.tp * p.pp, p.shard_ranks, p.zero_stage,
-                                                  p.ep, (w_b, g_b, o_b))
+                                                  p.ep, (w_b, g_b, o_b),
+                                                  p.whole_grads and p.grad_accum > 1)
     cpu = 0.0
     if p.offload != "none":       # ZeRO-Offload: optimizer state (and its fp32 step) on CPU
         cpu += optimizer
@@ -191,7 +195,9 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster,
     if p.offload == "optimizer+params":
         cpu += weights
         weights = 0.0
-    grad_note = "fp32 main grads" if g_b == 4 else ""
+    grad_note = ", ".join(n for n, on in (
+        ("fp32 main grads", g_b == 4),
+        ("ZeRO-2 held whole across micro-batches", p.whole_grads and p.grad_accum > 1)) if on)
     memory = [Term("weights", weights, "06, 14"),
               Term("gradients", grads, "06, 14", grad_note),
               Term("optimizer state", optimizer, "06, 14",
@@ -232,7 +238,8 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster,
                             micro_batch_time=compute / micro, shard=p.shard_ranks,
                             grad_bytes=g_b, weight_bytes=wire,
                             overlap_grad_reduce=p.overlap_grad_reduce,
-                            overlap_param_gather=p.overlap_param_gather),
+                            overlap_param_gather=p.overlap_param_gather,
+                            whole_grads=p.whole_grads),
         "pp": costs.pp_cost(topo, tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, interleave=p.vpp,
                             tokens=tokens, hidden=m.hidden, micro_batches=micro,
                             sequence_parallel=p.sequence_parallel, dtype_bytes=wire),

@@ -123,6 +123,11 @@ class Plan:
     weights (FSDP's full sharding), over ``dp_shard`` * cp ranks (``dp_shard``
     defaults to dp; smaller for hybrid sharding, HSDP, which replicates the
     shards dp / dp_shard times).
+    ``whole_grads`` (ZeRO-2 only): the step's micro-batches accumulate whole
+    gradients, reduce-scattered once at its end (FSDP with
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch, as torch
+    2.13's pipelining runs it), instead of a reduce-scatter after every micro-batch
+    that keeps only the shard (DeepSpeed's ZeRO-2); see ``helpers.costs.axes``.
     ``main_grads_fp32``: gradients accumulated and reduced in fp32 (Megatron's
     default with bf16). ``optimizer_grads_fp32``: the optimizer keeps an fp32
     copy of its gradient shard (DeepSpeed ZeRO, Megatron's fp16 optimizer).
@@ -157,6 +162,7 @@ class Plan:
     global_batch: Optional[int] = None
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    whole_grads: bool = False
     checkpoint_format: str = "torch"
     source: str = ""
     unmapped: tuple = ()
@@ -191,6 +197,10 @@ class Plan:
                                  f"dp_shard={self.dp_shard} does not divide dp={self.dp}")
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.whole_grads and self.zero_stage != 2:
+            raise ValueError("whole_grads is a ZeRO-2 choice: stages 0 and 1 always hold whole "
+                             "gradients, and stage 3 reduce-scatters every micro-batch; set "
+                             f"zero_stage=2 or whole_grads=False (zero_stage={self.zero_stage})")
         if self.precision not in PLAN_PRECISIONS:
             raise ValueError(f"precision must be one of {PLAN_PRECISIONS}, got "
                              f"{self.precision!r}")

@@ -454,6 +454,10 @@ def from_torchtitan(toml_text_or_path: str, world_size: int) -> Plan:
                 micro_batch=micro, grad_accum=accum, global_batch=global_batch,
                 # FSDP2 prefetches the next unit's all-gather and overlaps its reduce-scatter
                 overlap_grad_reduce=zero > 0, overlap_param_gather=zero > 0,
+                # torch's pipelining skips an FSDP stage's gradient sync on every
+                # micro-batch but the last (torch 2.13 pipelining/stage.py
+                # backward_maybe_with_nosync): the gradients are held whole
+                whole_grads=zero == 2 and pp > 1,
                 checkpoint_format="dcp (torch.distributed.checkpoint)"
                 if ckpt.get("enable_checkpoint", ckpt.get("enable", False)) else "none",
                 source="torchtitan", unmapped=tuple(unmapped))

@@ -24,7 +24,8 @@ reduction overlapped with the backward, ZeRO-3's weight gathers prefetched
     ep_comm        4 all-to-alls per MoE layer per micro-batch (ch. 21)
     dp_comm        gradient all-reduce / ZeRO reduce-scatter + all-gather,
                    exposed only where it outlasts the compute it overlaps
-                   (ch. 04, 14-16)
+                   (ch. 04, 14-16); ZeRO-2 reduce-scatters every micro-batch
+                   (``Layout.whole_grads``: once, holding whole gradients)
 
 Each collective is NCCL's ring on its group's placement (``costs.network``):
 a DP group strided across nodes gets one NIC per node, a packed one all of
@@ -80,13 +81,14 @@ def memory_terms(model: ModelSpec, lay: Layout, global_batch: int | None = None)
     (sequences): the first stage holds no more micro-batches than a replica runs
     (``costs.activations``' ``micro_batches``); None counts as many as the schedule's
     warm-up could hold."""
+    m = None if global_batch is None else global_batch // lay.dp // lay.micro_batch
+    # ZeRO-2 holding whole gradients holds them only across micro-batches (None: assume some)
     w, g, o = costs.model_state(model, lay.tp * lay.pp, lay.dp * lay.cp, lay.zero, lay.ep,
-                                costs.MIXED_ADAM)
+                                costs.MIXED_ADAM, lay.whole_grads and (m is None or m > 1))
     gathered = 0.0
     if lay.zero == 3:
         units = 2 if overlap(lay)["overlap_param_gather"] else 1
         gathered = costs.gathered_layers(model, lay.tp, units, "bf16")
-    m = None if global_batch is None else global_batch // lay.dp // lay.micro_batch
     act = costs.activations(model, model.seq // lay.cp, lay.micro_batch, lay.tp, lay.pp,
                             lay.tp > 1, lay.recompute, lay.interleave, "bf16", own_shapes=True,
                             micro_batches=m)
@@ -136,7 +138,7 @@ def time_terms(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo:
     dp = costs.dp_cost(model, topo, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep,
                        zero=lay.zero, micro_batches=m, micro_batch_time=compute / m,
                        shard=lay.dp * lay.cp, grad_bytes=BF16, weight_bytes=BF16,
-                       **overlap(lay))
+                       **overlap(lay), whole_grads=lay.whole_grads)
     return {"compute": compute, "bubble": costs.bubble_time(compute, lay.pp, m, lay.interleave),
             "tp_comm": tp.exposed, "pp_p2p": pp.exposed, "cp_comm": cp.exposed,
             "ep_comm": ep.exposed, "dp_comm": dp.exposed}

@@ -60,12 +60,21 @@ class Layout:
     recompute: str = "selective"
     micro_batch: int = 1
     interleave: int = 1       # virtual pipeline stages (model chunks) per rank, ch. 12
+    # ZeRO-2 only: accumulate whole gradients and reduce-scatter once a step (then its
+    # memory and traffic are ZeRO-1's) instead of a reduce-scatter per micro-batch
+    whole_grads: bool = False
 
     def __post_init__(self):
         for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "interleave"):
             positive_int(f"Layout.{f}", getattr(self, f))
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Layout.zero must be the ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.whole_grads, bool):
+            raise ValueError(f"Layout.whole_grads must be True or False, got {self.whole_grads!r}")
+        if self.whole_grads and self.zero != 2:
+            raise ValueError(f"Layout.whole_grads is a ZeRO-2 choice (stages 0 and 1 always hold "
+                             f"whole gradients, stage 3 reduce-scatters every micro-batch); "
+                             f"got zero={self.zero}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"Layout.recompute must be one of {RECOMPUTE_MODES}, "
                              f"got {self.recompute!r}")
@@ -83,13 +92,15 @@ class Layout:
         parts = [f"DP{self.dp}", f"TP{self.tp}", f"PP{self.pp}"]
         parts += [f"CP{self.cp}"] * (self.cp > 1) + [f"EP{self.ep}"] * (self.ep > 1)
         v = f", v {self.interleave}" if self.interleave > 1 else ""
+        whole = " (whole grads)" if self.whole_grads else ""
         return (" x ".join(parts)
-                + f" | ZeRO-{self.zero}, {self.recompute}, mb {self.micro_batch}{v}")
+                + f" | ZeRO-{self.zero}{whole}, {self.recompute}, mb {self.micro_batch}{v}")
 
     def to_plan(self, global_batch: int, **choices) -> Plan:
         """Chapter 19's ``Plan`` for this layout at ``global_batch`` sequences: the
         degrees, ZeRO stage, recompute and micro-batch carried over, gradient
-        accumulation the micro-batches per replica, and sequence parallelism
+        accumulation the micro-batches per replica, ZeRO-2's ``whole_grads``, and
+        sequence parallelism
         whenever there is TP, gradient reduction overlapped with the backward and
         (ZeRO-1 to 3) the weight all-gather with the forward, as the planner
         assumes (``overlap_flags``). ``choices``:
@@ -102,6 +113,7 @@ class Layout:
                        "cp": self.cp, "ep": self.ep, "zero_stage": self.zero,
                        "recompute": self.recompute, "sequence_parallel": self.tp > 1,
                        "micro_batch": self.micro_batch, **overlap_flags(self.zero),
+                       "whole_grads": self.whole_grads,
                        "grad_accum": global_batch // (self.dp * self.micro_batch),
                        "global_batch": global_batch, "source": f"planner: {self.short()}",
                        **choices})
@@ -110,7 +122,7 @@ class Layout:
     def from_plan(cls, plan: Plan) -> "Layout":
         """The layout of a chapter-19 ``Plan`` (its other knobs are not the planner's)."""
         return cls(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep, plan.zero_stage, plan.recompute,
-                   plan.micro_batch, plan.vpp)
+                   plan.micro_batch, plan.vpp, plan.whole_grads)
 
     def complexity(self) -> tuple:
         """Smaller is simpler, in the course's order of escalation read backwards: a

@@ -181,6 +181,12 @@ def plan(model: ModelSpec, global_batch: int, gpu: GPU, topology: Topology, *, m
     structure wins. A structure that breaks a shape rule is rejected once, with
     its first variant's choices; variants are rejected one by one.
 
+    ZeRO-2 is enumerated as it shards its gradients under accumulation: a
+    reduce-scatter after every micro-batch. ZeRO-2 that holds whole gradients until
+    the step's one reduce-scatter (``Layout.whole_grads``) costs exactly what ZeRO-1
+    costs, memory and traffic, so the ZeRO-1 candidates stand for it and the ranking
+    chooses between the two; ``evaluate`` prices it by name.
+
     ``gemm_table``: a measured ``helpers.costs.gemm.GemmTable`` (e.g.
     ``GemmTable.load("h100")``, or its name, ``"h100"``), measured on ``gpu``. None (the default) prices every FLOP at ``mfu``.
     Given, each layout's layer GEMMs run at the efficiency measured for its shapes
