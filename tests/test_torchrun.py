@@ -78,6 +78,12 @@ JOB = textwrap.dedent('''
 ''')
 
 
+# Seconds from a rank's raise to the end of every agent: 1-2 s on a quiet two-core
+# machine, 5.7 s seen at load average 10 (processes exit slowly: the ranks had stopped
+# within the raise's second). With the exit barrier it was the group's timeout, 60 s.
+NAMED_WITHIN = 15
+
+
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                COURSE_NCCL_RULES="1", **extra)
@@ -94,7 +100,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_together(commands, logs, env, timeout=90.0):
+def _run_together(commands, logs, env, timeout=150.0):
     """Start the commands at once (each its own session, its output in a file); return
     each one's exit status and the time.time() at which it was seen to end."""
     procs = [subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
@@ -146,7 +152,7 @@ def test_a_rank_that_raises_is_named_at_once(tmp_path):
     assert "Timed out" not in out, out
     took = ended[0] - _raised_at(out)
     print(f"standalone: torchrun ended {took:.2f} s after rank 1 raised")
-    assert took < 5, out
+    assert took < NAMED_WITHIN, out
 
 
 def _interface_address():
@@ -211,7 +217,7 @@ def test_readme_multinode_recipe_on_one_machine(tmp_path):
     assert "Timed out" not in both, both
     took = max(ended) - _raised_at(outs[raiser])
     print(f"two nodes: both agents ended {took:.2f} s after rank 1 raised")
-    assert took < 5, both
+    assert took < NAMED_WITHIN, both
 
 
 def test_a_missing_node_ends_with_a_sentence(tmp_path):
@@ -233,7 +239,8 @@ def test_a_missing_node_ends_with_a_sentence(tmp_path):
             f"join_timeout=2 s") in out, out
     assert "Traceback" not in out, out
     print(f"missing node: ended {ended[0] - start:.2f} s after the agent started")
-    assert ended[0] - start < 2 + 10, out  # the timeout, plus starting Python and torch
+    # the timeout plus starting Python and torch: 4 s quiet, 9.8 s at load average 10
+    assert ended[0] - start < 2 + 30, out
 
 
 def test_the_course_default_join_timeout():
