@@ -171,7 +171,8 @@ def _readme_recipe(script, iface, address, port, run_id) -> str:
     is this machine's host name, one rank per node, this test's job."""
     text = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"## Multi-node with torchrun.*?```bash\n(.*?)```", text, re.S).group(1)
-    for old, new in (("IFACE=eth0", f"IFACE={iface}"), ("node0:29500", f"{socket.gethostname()}:{port}"),
+    for old, new in (("IFACE=eth0", f"IFACE={iface}"),
+                     ("node0:29500", f"{socket.gethostname()}:{port}"),
                      ("--nproc_per_node=8", "--nproc_per_node=1"),
                      ("course-ch04", run_id), ("ch04_job.py", f"{script} look 1"),
                      ("python -m helpers.launch", f"{sys.executable} -m helpers.launch")):
@@ -284,7 +285,8 @@ def test_an_agent_that_loses_the_rendezvous_goes_on_watching_its_ranks(monkeypat
 
     from helpers.launch.__main__ import tolerate_a_lost_rendezvous
 
-    monkeypatch.setattr(Handler, "num_nodes_waiting", Handler.num_nodes_waiting)  # restored after
+    for name in ("num_nodes_waiting", "next_rendezvous"):  # restored after the test
+        monkeypatch.setattr(Handler, name, getattr(Handler, name))
     asked = []
 
     class Gone:

@@ -55,7 +55,8 @@ def _join_timeout(args) -> str:
 
 def tolerate_a_lost_rendezvous() -> None:
     """While workers run, a rendezvous that cannot be reached has no node waiting to join
-    (torchrun's agent asks, to restart its workers for a new node); said once."""
+    (torchrun's agent asks, to restart its workers for a new node); said once. Also
+    counts the rendezvous this agent completed (``ROUNDS``), for the messages."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import \
         DynamicRendezvousHandler as Handler
@@ -80,6 +81,21 @@ def tolerate_a_lost_rendezvous() -> None:
 
     num_nodes_waiting.course_tolerant = True
     Handler.num_nodes_waiting = num_nodes_waiting
+    joined = Handler.next_rendezvous
+
+    def next_rendezvous(self):
+        info = joined(self)
+        ROUNDS.append(True)  # (a later rendezvous error is a restart's, not the start's)
+        return info
+
+    Handler.next_rendezvous = next_rendezvous
+
+
+ROUNDS: list[bool] = []  # rendezvous this agent completed
+
+
+def _what_started() -> str:
+    return "so no rank restarted" if ROUNDS else "so no rank started"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,15 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     except RendezvousTimeoutError:
         sys.stderr.write(
             f"[course] rendezvous '{args.rdzv_id}' at {where} did not gather --nnodes="
-            f"{args.nnodes} nodes within join_timeout={_join_timeout(args)} s, so no rank "
-            f"started. The node(s) missing did not run this same command (same --rdzv_id, "
-            f"--nnodes and --rdzv_endpoint), or cannot reach {where} (a firewall, or a host "
-            f"name that resolves to another address there). More time: --rdzv-conf "
-            f"join_timeout=SECONDS.\n")
+            f"{args.nnodes} nodes within join_timeout={_join_timeout(args)} s, "
+            f"{_what_started()}. The node(s) missing did not run this same command (same "
+            f"--rdzv_id, --nnodes and --rdzv_endpoint), or cannot reach {where} (a firewall, "
+            f"or a host name that resolves to another address there). More time: "
+            f"--rdzv-conf join_timeout=SECONDS.\n")
         sys.exit(1)
     except RendezvousConnectionError:
         sys.stderr.write(
-            f"[course] could not reach the rendezvous at {where}, so no rank started. The "
+            f"[course] could not reach the rendezvous at {where}, {_what_started()}. The "
             f"first node hosts it when it recognises the name as its own (as `hostname` "
             f"prints it there): is this same command running there, is the port open, and "
             f"does the name resolve here to an address this node reaches?\n")
