@@ -13,7 +13,9 @@ memory, bytes on the busiest GPU (``memory``)
     gathered layers (ZeRO-3)              ``gathered_layers``: ch. 15
 
 time, seconds per step (``compute``, ``axes``)
-    compute          ``compute_time``: hardware FLOPs / (GPUs x achieved FLOP/s)
+    compute          ``compute_time``: hardware FLOPs / (GPUs x achieved FLOP/s);
+                     attention's matmuls as the kernel executes them (a fused causal
+                     kernel: about half the s x s square), model FLOPs the whole square
     bubble           ``bubble_time``: compute x (p-1)/(v m), ch. 12
     tp, pp, cp, ep   ``tp_cost`` ... ``ep_cost``: bytes sent, collective seconds,
     dp               exposed seconds of each parallel axis (``dp_cost`` with the
@@ -35,9 +37,9 @@ call them for ten thousand layouts (``clear_caches`` empties them).
 from helpers.costs import axes, compute, memory, network
 from helpers.costs.axes import (NO_COST, AxisCost, cp_cost, dp_cost, dp_ops, ep_cost, pp_cost,
                                 tp_cost)
-from helpers.costs.compute import (bubble_time, compute_time, flops_per_token,
-                                   hardware_flops_per_step, model_flops_per_step,
-                                   recompute_factor)
+from helpers.costs.compute import (attention_flops_per_token, bubble_time, compute_time,
+                                   flops_per_token, hardware_flops_per_step,
+                                   model_flops_per_step, recompute_factor)
 from helpers.costs.memory import (MIXED_ADAM, activations, bytes_per_param, gathered_layers,
                                   model_state, stage_layers, wire_bytes)
 from helpers.costs.network import (COLLECTIVES, RING_COLLECTIVES, Placement, all_to_all_time,
@@ -47,17 +49,18 @@ from helpers.costs.network import (COLLECTIVES, RING_COLLECTIVES, Placement, all
 
 __all__ = ["AxisCost", "NO_COST", "tp_cost", "pp_cost", "cp_cost", "ep_cost", "dp_ops",
            "dp_cost", "flops_per_token", "model_flops_per_step", "hardware_flops_per_step",
-           "recompute_factor", "compute_time", "bubble_time", "MIXED_ADAM", "bytes_per_param",
-           "wire_bytes", "stage_layers", "model_state", "activations", "gathered_layers",
-           "COLLECTIVES", "RING_COLLECTIVES", "Placement", "placement", "ring_steps",
-           "inter_node_steps", "wire_factor", "sent_bytes", "nic_share", "ring_latency",
-           "bus_bandwidth", "ring_time", "all_to_all_time", "collective_time", "p2p_time",
-           "clear_caches", "axes", "compute", "memory", "network"]
+           "attention_flops_per_token", "recompute_factor", "compute_time", "bubble_time",
+           "MIXED_ADAM", "bytes_per_param", "wire_bytes", "stage_layers", "model_state",
+           "activations", "gathered_layers", "COLLECTIVES", "RING_COLLECTIVES", "Placement",
+           "placement", "ring_steps", "inter_node_steps", "wire_factor", "sent_bytes",
+           "nic_share", "ring_latency", "bus_bandwidth", "ring_time", "all_to_all_time",
+           "collective_time", "p2p_time", "clear_caches", "axes", "compute", "memory",
+           "network"]
 
 
 def clear_caches() -> None:
     """Forget every cached placement, collective and memory term (for cold timings)."""
-    for cached in (network.placement, network._ring, network._all_to_all,
-                   memory.model_state, memory.activations, axes.dp_ops,
+    network.clear_caches()  # placements and the collectives' terms
+    for cached in (memory.model_state, memory.activations, axes.dp_ops,
                    compute.hardware_flops_per_step):
         cached.cache_clear()

@@ -38,9 +38,11 @@ prices it, on the group's placement in Megatron's rank order)
     ep    dispatch and combine all-to-alls, forward and backward (chapter 21)
 
 step time
-    compute   hardware FLOPs (Narayanan et al. 2021, sec. 5.1, eq. 3: 96 B s l h^2
-              (1 + s/6h + V/16lh) with full recompute, 3/4 of the layer part
-              without, plus the recomputed attention with selective) / GPUs /
+    compute   hardware FLOPs (the weight matmuls as Narayanan et al. 2021, sec.
+              5.1, eq. 3 count them: 4 passes over the layers with full recompute,
+              3 without; attention's own matmuls as the kernel executes them, a
+              fused causal kernel about half the s x s square unless the scores
+              are stored: ``costs.compute``) / GPUs /
               (peak x matmul efficiency); with a measured ``gemm_table``, the
               layers' weight GEMMs at the efficiency measured for the plan's
               TP size and micro-batch tokens, the rest (attention's matmuls, the

@@ -10,7 +10,8 @@ reduction overlapped with the backward, ZeRO-3's weight gathers prefetched
 (the choices ``Layout.to_plan`` writes into a ``Plan``).
 
     compute        executed FLOPs at an assumed MFU (ch. 01, 13; Narayanan et al.
-                   2021 eq. 3): ``costs.compute_time``; with a measured GEMM
+                   2021 eq. 3, attention's matmuls as a fused causal kernel runs
+                   them where no scores are stored): ``costs.compute_time``; with a measured GEMM
                    table, the layers' weight GEMMs at the efficiency measured
                    for this layout's shapes (``gemm_efficiency``) and only the
                    rest at the assumed MFU
