@@ -330,3 +330,60 @@ def _blocking_pair():
 def test_a_blocking_send_is_one_operation_for_the_spy_and_the_rules():
     assert launch(_blocking_pair, 2, **RULES) == [(1, 0), (0, 1)]
     assert launch(_blocking_pair, 2, **GLOO) == [(1, 0), (0, 1)]
+
+
+def _strided_all_reduce():
+    t = torch.ones(4, 4).t()          # a transposed view: not contiguous
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
+def test_a_non_contiguous_tensor_is_refused_as_nccl_does():
+    """Rule 11: gloo copies it, nccl raises."""
+    assert launch(_strided_all_reduce, 2, **GLOO) == [32.0, 32.0]
+    with pytest.raises(RankError, match="ValueError: Tensors must be contiguous"):
+        launch(_strided_all_reduce, 2, **RULES)
+
+
+def _first_use_cycle():
+    """Three groups of two; each rank's first collective on one group is asynchronous,
+    then it goes on to the next group: 0 starts {0,1}, 1 starts {1,2}, 2 starts {0,2}."""
+    groups = {k: dist.new_group(list(k)) for k in ((0, 1), (1, 2), (0, 2))}
+    r = dist.get_rank()
+    order = {0: [(0, 1), (0, 2)], 1: [(1, 2), (0, 1)], 2: [(0, 2), (1, 2)]}[r]
+    first = dist.all_reduce(torch.ones(1), group=groups[order[0]], async_op=True)
+    dist.all_reduce(torch.ones(1), group=groups[order[1]])
+    first.wait()
+    return r
+
+
+def test_a_first_use_of_groups_in_a_circle_hangs_even_asynchronously():
+    """Rule 2: a group's first collective blocks the host until its ranks all get there."""
+    assert launch(_first_use_cycle, 3, **GLOO) == [0, 1, 2]
+    with pytest.raises(RankTimeout, match="first use of the group's communicator"):
+        launch(_first_use_cycle, 3, timeout=3, **RULES)
+
+
+def _comm_reduce_scatter(dtype: str):
+    from helpers.comm import reduce_scatter   # torch's function bound at import
+
+    out = torch.empty(2, dtype=getattr(torch, dtype))
+    reduce_scatter(out, torch.ones(2 * dist.get_world_size(), dtype=getattr(torch, dtype)))
+    return out.tolist()
+
+
+def test_the_rules_see_calls_through_names_bound_before():
+    """helpers.comm binds torch's reduce_scatter_single at import: the rules see it."""
+    with pytest.raises(RankError, match="not supported for NCCL process group: Short"):
+        launch(_comm_reduce_scatter, 2, "int16", **RULES)
+    assert launch(_comm_reduce_scatter, 2, "float32", **RULES) == [[2.0, 2.0]] * 2
+
+
+def test_the_environment_leaves_a_launch_that_asks_for_gloo_alone(monkeypatch):
+    """A node runs backend="gloo" on gloo: COURSE_NCCL_RULES=1 means no rules there;
+    an explicit nccl_rules=True still turns them on."""
+    info = lambda: rank_info().nccl_rules  # noqa: E731
+    monkeypatch.setenv(nccl_rules.ENV, "1")
+    assert launch(info, 2, backend="gloo") == [False, False]
+    assert launch(info, 2, backend="gloo", nccl_rules=True) == [True, True]
+    assert launch(info, 2) == [True, True]

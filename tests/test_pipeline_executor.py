@@ -98,7 +98,7 @@ def _two_pipelines():
 
 @pytest.mark.slow
 def test_pipelines_on_subgroups():
-    results = launch(_two_pipelines, 4, backend="gloo", timeout=120)
+    results = launch(_two_pipelines, 4, backend="gloo", nccl_rules=True, timeout=120)
     for k in range(2):
         x, y = _batch(seed=k)
         (ref_loss, ref), (ref64_loss, ref64) = _references(x, y)
@@ -112,7 +112,7 @@ def test_pipelines_on_subgroups():
 @pytest.mark.parametrize("p", [4, 3, 2])  # 2 last: the next test reuses its ranks
 def test_pipeline_equals_unsplit_model(p):
     cases = _cases(p)
-    results = launch(_run_cases, p, cases, backend="gloo", timeout=120)
+    results = launch(_run_cases, p, cases, backend="gloo", nccl_rules=True, timeout=120)
     x, y = _batch()
     (ref_loss, ref), (ref64_loss, ref64) = _references(x, y)
     for i, (sched, v) in enumerate(cases):
@@ -145,7 +145,7 @@ def test_pipeline_equals_unsplit_model(p):
 
 @pytest.mark.slow
 def test_training_steps_match_single_process():
-    results = launch(_train_two_steps, 2, "1f1b", backend="gloo", timeout=120)
+    results = launch(_train_two_steps, 2, "1f1b", backend="gloo", nccl_rules=True, timeout=120)
     ref = {}
     for dtype in (torch.float32, torch.float64):  # float64: the exact answer
         model = build_model("toy", n_layer=N_LAYER).to(dtype)

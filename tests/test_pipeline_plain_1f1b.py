@@ -83,7 +83,7 @@ def _as_messages(recorded):
 @pytest.mark.parametrize("p", [4, 3, 2])
 def test_equals_executor_bit_for_bit_and_unsplit_model(p):
     ms = _microbatch_counts(p)
-    results = launch(_both, p, ms, backend="gloo", timeout=120)
+    results = launch(_both, p, ms, backend="gloo", nccl_rules=True, timeout=120)
     for i, m in enumerate(ms):
         (exec_loss, _), (loss, _), _ = results[-1][i]
         assert loss == exec_loss and loss is not None, (p, m)

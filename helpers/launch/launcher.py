@@ -87,10 +87,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
                                      seed, seed_per_rank, nccl_rules)
     if os.environ.get("_COURSE_POOL_WORKER") == "1":
         raise RuntimeError("launch() called inside a rank: nested launches are not supported")
-    backend = resolve_backend(backend, world_size)
+    asked, backend = backend, resolve_backend(backend, world_size)
     # The rules make gloo behave as nccl; on nccl itself there is nothing to emulate.
-    rules = nccl_rules_mode.requested(nccl_rules) and backend == "gloo"
-    _log_launch(backend, world_size, rules)
+    rules = nccl_rules_mode.requested(nccl_rules, asked) and backend == "gloo"
+    _log_launch(backend, world_size, rules, asked)
     try:
         payload, sources = ship((fn, args, kwargs))
     except Exception as exc:
@@ -137,14 +137,18 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
 LOG_ENV = "COURSE_LAUNCH_LOG"
 
 
-def _log_launch(backend: str, world_size: int, rules: bool) -> None:
+def _log_launch(backend: str, world_size: int, rules: bool, asked: str = "auto") -> None:
     """With ``COURSE_LAUNCH_LOG=<file>`` in the environment, one line per launch
-    ("nccl 4" / "gloo 3 rules"): ``make test-gpu`` reads them to say how many launches
-    of each size really ran on nccl (tools/launch_log.py)."""
+    ("nccl 4 auto <test>" / "gloo 3 rules gloo <test>": the backend it got, its size,
+    the rules, the backend asked for, the pytest test running it): ``make test-gpu``
+    reads them to say how many launches of each size really ran on nccl, and
+    ``tools/launch_log.py --gpus N`` replays a CPU run for a node of N GPUs."""
     path = os.environ.get(LOG_ENV)
     if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" (")[0].replace(" ", "_")
         with open(path, "a") as f:
-            f.write(f"{backend} {world_size}{' rules' if rules else ''}\n")
+            f.write(f"{backend} {world_size}{' rules' if rules else ''} asked={asked}"
+                    f"{' test=' + test if test else ''}\n")
 
 
 def _start_ranks(world_size, backend, timeout, seed, seed_per_rank, payload, sources, rules):

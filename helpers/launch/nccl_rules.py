@@ -44,7 +44,9 @@ of rule 1 dates from June 2025, before 2.11).
    ``barrier()`` and the object collectives (``all_gather_object``,
    ``broadcast_object_list``, ...) do not count: on a node's ``"cpu:gloo,cuda:nccl"``
    group they run on gloo (``_get_object_coll_device``, ``barrier``'s device choice)
-   and create no nccl communicator.
+   and create no nccl communicator. A first collective blocks the host the same way,
+   ``async_op=True`` or not: ranks that start groups in a circle (each its first
+   collective on one group, asynchronously, then on the next) hang there.
 3. **``monitored_barrier`` is gloo's alone.** ``distributed_c10d.monitored_barrier``
    raises ``ValueError("monitored_barrier is only implemented for GLOO backend.")``
    unless the group was created with ``backend="gloo"``; a GPU job's default group
@@ -89,6 +91,9 @@ of rule 1 dates from June 2025, before 2.11).
    list of *one* Work, so ``send_req, recv_req = dist.batch_isend_irecv(...)`` raises
    on a node. Here the list holds one Work too, which waits for the whole batch
    (``helpers.pipeline.p2p.post`` shows how to handle both).
+11. **Tensors must be contiguous.** ``ProcessGroupNCCL``'s ``check_gpu_single_tensor``
+   raises ``ValueError("Tensors must be contiguous")`` for a non-contiguous input of a
+   collective or a send or receive; gloo copies it. Here: the same ``ValueError``.
 What it cannot show (only a GPU does)
 -------------------------------------
 * **The host returns before the data is there.** An nccl collective with
@@ -166,10 +171,14 @@ ON_GLOO_ON_A_NODE = ("barrier", "monitored_barrier", "all_gather_object",
 BATCH_TAG, LONE_TAG = 0, 1
 
 
-def requested(flag: bool | None) -> bool:
-    """What ``launch(..., nccl_rules=flag)`` means: the flag, or the environment's."""
+def requested(flag: bool | None, backend: str = "auto") -> bool:
+    """What ``launch(..., nccl_rules=flag, backend=backend)`` means: the flag, or the
+    environment's. The environment's switch stands for "run as a GPU node would", and a
+    node runs a launch that asks for ``backend="gloo"`` on gloo: no rules there."""
     if flag is not None:
         return bool(flag)
+    if str(backend).lower() == "gloo":
+        return False
     return os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
@@ -249,6 +258,7 @@ class _Rules:
             raise NotImplementedError("ProcessGroupNCCL does not support recvAnysource  "
                                       "[nccl_rules: name the source rank, recv(t, src=...)]")
         _check_dtypes(call.tensors)
+        _check_contiguous(call)
         call.args[2] = BATCH_TAG if call.batched else LONE_TAG
         gname = call.group.group_name
         if call.batched:
@@ -282,15 +292,22 @@ class _Rules:
         self.groups.add(gname)
 
     def _collective(self, call: wire.Call) -> None:
-        """Rules 4 and 5; the group's communicator exists from now on (rule 2)."""
+        """Rules 2, 4, 5 and 11."""
         _check_dtypes(wire._flat(call.args))
+        _check_contiguous(call)
         for arg in call.args:
             if hasattr(arg, "reduceOp"):
                 _check_op(arg.reduceOp)
         gname = call.group.group_name
         if call.api in ON_GLOO_ON_A_NODE:
             self.uncounted[gname] = self.uncounted.get(gname, 0) + 1
-        else:
+        elif gname not in self.groups:
+            # the group's first nccl collective creates its communicator: the host waits
+            # for every rank of the group, even for an async_op=True call
+            me, members = call.rank, list(call.ranks)
+            self._meet("group", f"group/{gname}", me, [r for r in members if r != me],
+                       f"{call.api}, the first use of the group's communicator (group of "
+                       f"ranks {members})")
             self.groups.add(gname)
 
     def _monitored_barrier(self, call: wire.Call) -> None:
@@ -420,6 +437,15 @@ def _check_dtypes(values) -> None:
                             f"{name} where it has a type for it; nccl has none]")
 
 
+def _check_contiguous(call: wire.Call) -> None:
+    """Rule 11."""
+    for t in call.tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"Tensors must be contiguous  [nccl_rules: {call.api} was handed "
+                             f"a non-contiguous tensor of shape {tuple(t.shape)}, which gloo "
+                             f"accepts and nccl refuses; pass t.contiguous()]")
+
+
 def _check_op(op) -> None:
     """Rule 5."""
     import torch.distributed as dist
@@ -497,11 +523,12 @@ _WHY = {
               "the peer never matches a lone one (it runs on the group's communicator). "
               "Post each step's sends and receives together with "
               "dist.batch_isend_irecv([P2POp(...), ...]).",
-    "group": "The first batch_isend_irecv on a group creates the group's communicator and "
-             "needs every rank of the group (torch's batch_isend_irecv docstring; a "
-             "barrier or an object collective runs on gloo on a GPU node and creates "
-             "nothing); run a collective on the group first, or include every rank in "
-             "that first batch.",
+    "group": "The first collective or batch_isend_irecv on a group creates the group's "
+             "communicator and blocks the host until every rank of the group gets there, "
+             "also with async_op=True (torch's batch_isend_irecv docstring; lazy "
+             "initialisation; a barrier or an object collective runs on gloo on a GPU node "
+             "and creates nothing); run a collective on the group first, on every rank of "
+             "it, or include every rank in that first batch.",
 }
 
 

@@ -121,6 +121,7 @@ def launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, seed, 
     import torch.distributed as dist
 
     env_world = int(os.environ["WORLD_SIZE"])
+    asked = backend
     if world_size != env_world:
         raise ValueError(f"launch(..., world_size={world_size}) under torchrun with "
                          f"WORLD_SIZE={env_world}: pass the job's world size "
@@ -143,7 +144,7 @@ def launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, seed, 
     # From here on the job's store exists, so a failure can be told to every rank.
     try:
         _check_local_ranks()
-        _install_rules(nccl_rules, timeout)
+        _install_rules(nccl_rules, timeout, asked)
         rank = dist.get_rank()
         seed_everything(seed + rank if seed_per_rank else seed)
         result = to_cpu(fn(*args, **kwargs))
@@ -165,13 +166,14 @@ def _check_local_ranks() -> None:
                          f"use at most {limit} per machine (--nproc_per_node), on more machines")
 
 
-def _install_rules(flag: bool | None, timeout: float) -> None:
+def _install_rules(flag: bool | None, timeout: float, asked: str = "auto") -> None:
     """NCCL's rules on a gloo job, as ``launch(..., nccl_rules=)`` gives a local one.
-    Installed once per process (they replace functions of torch.distributed), on the
-    job's store under this attempt's prefix."""
+    Installed once per process (they watch every process group of it), on the job's
+    store under this attempt's prefix; not on a job that has nccl ("cpu:gloo,cuda:nccl")."""
     import torch.distributed as dist
 
-    if _STATE["rules"] or not nccl_rules_mode.requested(flag) or dist.get_backend() != "gloo":
+    if _STATE["rules"] or not nccl_rules_mode.requested(flag, asked) or \
+            "nccl" in dist.get_backend():
         return
     nccl_rules_mode.install(dist.PrefixStore(_key("nccl_rules"), _store()), timeout)
     _STATE["rules"] = True
