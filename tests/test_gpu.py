@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import RankError, launch, rank_info
+from helpers import RankError, RankTimeout, launch, rank_info
 from helpers.collectives import ring_all_reduce, sweep
 from helpers.data import make_dataset
 from helpers.ddp import BucketedDDP
@@ -404,3 +404,30 @@ def test_expert_parallel_moe_small_on_the_gpu():
     for devices, logit_err, grad_err in launch(_moe_small, WORLD, timeout=180):
         assert devices == {"cuda"}
         assert logit_err <= REL64 and grad_err <= REL64, (logit_err, grad_err)
+
+
+def _ring_on_gpus(batched: bool, numel: int):
+    """One ring step on the rank's GPU: a lone isend then irecv, or the two batched."""
+    dev = rank_info().device
+    r, p = dist.get_rank(), dist.get_world_size()
+    mine, got = torch.full((numel,), float(r), device=dev), torch.empty(numel, device=dev)
+    if batched:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (r + 1) % p),
+                                        dist.P2POp(dist.irecv, got, (r - 1) % p)])
+    else:
+        works = [dist.isend(mine, (r + 1) % p), dist.irecv(got, (r - 1) % p)]
+    for w in works:
+        w.wait()
+    return got[0].item()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="nccl point-to-point needs 2 GPUs")
+@pytest.mark.parametrize("p", sorted({2, min(GPUS, 3), GPUS} - {0, 1}))
+def test_what_the_rules_say_of_a_ring_is_what_nccl_does(p):
+    """NCCL's rules (helpers/launch/nccl_rules.py) on real nccl, at every size up to the
+    node's GPUs: the batched ring runs; the lone ring hangs (p >= 3: the pairs'
+    communicators form in a circle; p = 2: both sends first on the pair's one stream,
+    with 64 MiB messages, beyond what NCCL buffers), and the launch's timeout ends it."""
+    assert launch(_ring_on_gpus, p, True, 1 << 24) == [float((r - 1) % p) for r in range(p)]
+    with pytest.raises(RankTimeout):
+        launch(_ring_on_gpus, p, False, 1 << 24, timeout=30)

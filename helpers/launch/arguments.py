@@ -10,6 +10,16 @@ import os
 from typing import Any, Callable
 
 
+def backend_for(backend: str, world_size: int, n_gpus: int, nccl: bool = True) -> str:
+    """The backend a launch of ``world_size`` ranks asking for ``backend`` gets on a
+    machine with ``n_gpus`` GPUs ("auto": nccl with one GPU per rank, else gloo: nccl
+    cannot put two ranks on one GPU). ``tools/launch_log.py --gpus`` replays a logged
+    run with it for other GPU counts."""
+    if backend == "auto":
+        return "nccl" if nccl and n_gpus >= world_size else "gloo"
+    return backend
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     import torch
     import torch.distributed as dist
@@ -18,9 +28,7 @@ def resolve_backend(backend: str, world_size: int) -> str:
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        # One GPU per rank or none at all: sharing a GPU between nccl ranks
-        # is not supported by nccl, so fall back to gloo on CPU.
-        return "nccl" if n_gpus >= world_size and dist.is_nccl_available() else "gloo"
+        return backend_for(backend, world_size, n_gpus, dist.is_nccl_available())
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise RuntimeError("backend='nccl' asked for, but this torch build has no nccl "
