@@ -36,9 +36,11 @@ def _via_flat_partition(numel, world_size, rank):   # the course's partition, as
     return lo, hi, part.buckets[0].padded
 
 
-def _zero1(average_twice=False, gather=True, use_group=True, all_reduce=False, answer=True):
+def _zero1(average_twice=False, gather=True, use_group=True, all_reduce=False, answer=True,
+           job_rank=False, adam_on_sum=False):
     def zero1_step(flat_param, flat_grad, m, v, step, group=None):
-        N, r = dist.get_world_size(group), dist.get_rank(group)
+        N = dist.get_world_size(group)
+        r = dist.get_rank() % N if job_rank else dist.get_rank(group)
         chunk = flat_param.numel() // N
         lo, hi = r * chunk, (r + 1) * chunk
         out = torch.empty(chunk)
@@ -47,10 +49,13 @@ def _zero1(average_twice=False, gather=True, use_group=True, all_reduce=False, a
             dist.all_reduce(full, group=group)
             out = full[lo:hi].clone()
         else:
-            reduce_scatter(out, flat_grad / N, group=group if use_group else None)
+            reduce_scatter(out, flat_grad if adam_on_sum else flat_grad / N,
+                           group=group if use_group else None)
         if average_twice:
             out /= N
         adamw_update(flat_param[lo:hi], out, m, v, step, ch14.LR, *ch14.BETAS, ch14.EPS, ch14.WD)
+        if adam_on_sum:   # the average only in what is returned
+            out = out / N
         if gather:
             all_gather(flat_param, flat_param[lo:hi].clone(), group=group if use_group else None)
         return out if answer else None
@@ -72,6 +77,22 @@ def _unpadded(grads, group=None):  # drops the last numel % N elements instead o
     flat = torch.cat([g.reshape(-1) for g in grads]) / N
     out = torch.empty(flat.numel() // N)
     reduce_scatter(out, flat[:out.numel() * N], group=group)
+    return out
+
+
+def _rs_each_padded(grads, group=None):  # pads every gradient on its own, not the bucket
+    N = dist.get_world_size(group)
+    parts = []
+    for g in grads:
+        flat = g.reshape(-1) / N
+        pad = torch.zeros(-(-flat.numel() // N) * N)
+        pad[:flat.numel()] = flat
+        parts.append(pad)
+    buf = torch.cat(parts)
+    if buf.numel() % N:
+        buf = torch.cat([buf, torch.zeros(N - buf.numel() % N)])
+    out = torch.empty(buf.numel() // N)
+    reduce_scatter(out, buf, group=group)
     return out
 
 
@@ -149,6 +170,12 @@ class TestChapter14(ChapterChecks):
         Wrong("zero1_step", _zero1(use_group=False), "collectives without group=",
               says="without group=group"),
         Wrong("zero1_step", _zero1(answer=False), "returns None", says="got None"),
+        Wrong("zero1_step", _zero1(job_rank=True), "dist.get_rank() % N for the group rank",
+              says="in two groups of 2.*strided"),
+        Wrong("zero1_step", _zero1(adam_on_sum=True), "AdamW on the summed chunk, / N only "
+              "in the value returned", says="AdamW was given the summed chunk"),
+        Wrong("reduce_scatter_bucket", _rs_each_padded, "each gradient padded on its own",
+              says="padding at the end"),
         Wrong("reduce_scatter_bucket", _rs_no_group, "reduce-scatter without group=",
               says="without group=group"),
         Wrong("reduce_scatter_bucket", _rs_whole, "returns the whole averaged buffer",

@@ -64,6 +64,31 @@ def _min_from_everyone(mine, world):   # reads every rank's shard size itself, n
     return min(n_batches(r) for r in range(world))
 
 
+def _logged(what):
+    """Fix 2 with the collectives right and the log wrong: rank 0's own loss, or the sum."""
+    def fixed():
+        import torch.distributed as dist
+
+        from helpers import rank_info
+        rank, world = dist.get_rank(), dist.get_world_size()
+        w = torch.zeros(8, dtype=torch.float64, device=rank_info().device, requires_grad=True)
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            loss = (x @ w - y).pow(2).mean()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            if rank == 0:
+                shown = loss.item() if what == "own" else total.item()
+                print(f"step {step}: loss {shown:.4f}")
+            loss.backward()
+            dist.all_reduce(w.grad)
+            with torch.no_grad():
+                w -= LR * w.grad / world
+            w.grad = None
+        return w.detach()
+    return fixed
+
+
 def _naming(n, rank):
     """A diagnosis right but for bug n, where it names ``rank``."""
     answer = {**ch18.FAULTY_RANK, n: rank}
@@ -88,6 +113,8 @@ class TestChapter18(ChapterChecks):
         *(Wrong(f"fix {n}", ch18.BROKEN[n], "the broken function itself",
                 says=f"fix {n} still fails") for n in (1, 2, 3)),
         Wrong("fix 1", sync_always, "syncs on every step", says="every rank must skip"),
+        Wrong("fix 2", _logged("own"), "logs rank 0's own loss", says="rank 0's own loss"),
+        Wrong("fix 2", _logged("sum"), "logs the sum over ranks", says="the sum over the ranks"),
         Wrong("fix 3", pad_with_zero_grads, "pads with zero gradients", says="shortest shard"),
         Wrong("fix 1", _skip_step_one, "skips step 1, the lab's step, whatever the losses",
               says="on other data .*NaNs in rank 0's batch at step 0"),

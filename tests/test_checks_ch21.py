@@ -82,6 +82,17 @@ def _no_group(rows, counts, group):  # right, but every collective on the whole 
     return received, recv_counts
 
 
+def _flat_counts(rows, counts, group):  # right rows; recv_counts left flat (P * E/P,)
+    P = dist.get_world_size(group)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    send = counts.view(P, -1).sum(1).tolist()
+    received = rows.new_empty(int(recv_counts.sum()), rows.size(1))
+    dist.all_to_all_single(received, rows, recv_counts.view(P, -1).sum(1).tolist(), send,
+                           group=group)
+    return received, recv_counts
+
+
 def _no_gates(out, token_ids, gates, T):
     return out.new_zeros(T, out.size(1)).index_add_(0, token_ids, out)
 
@@ -122,6 +133,7 @@ class TestChapter21(ChapterChecks):
         Wrong("dispatch", _course_exchange, "calls helpers.moe.exchange_splits",
               says="switched off in this check"),
         Wrong("dispatch", _no_group, "collectives without group=", says="two EP groups of 2"),
+        Wrong("dispatch", _flat_counts, "recv_counts left flat", says=r"return it shaped"),
         Wrong("dispatch", _halves, "two halves hard-coded", says=None),
         Wrong("dispatch", _no_exchange, "receive sizes guessed, counts not exchanged",
               says="Exchange the counts first"),

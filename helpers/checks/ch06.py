@@ -92,9 +92,31 @@ def check_activation_bytes(learner_fn) -> None:
              (100, 2, 96, 6)]
     for s, b, h, a in cases:
         got = attempt(learner_fn, s, b, h, a, what=f"activation_bytes({s}, {b}, {h}, {a})")
-        expect_close(got, activation_bytes_per_layer(s, b, h, a),
-                     f"activation bytes for s={s}, b={b}, h={h}, a={a}", rel=1e-9)
-    passed("activation bytes per layer: s*b*h*(34 + 5*a*s/h) on 4 shapes")
+        want = activation_bytes_per_layer(s, b, h, a)
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and \
+                abs(got - want) > 1e-9 * abs(want):
+            raise CheckFailed(_activation_hint(got, s, b, h, a))
+        expect_close(got, want, f"activation bytes for s={s}, b={b}, h={h}, a={a}", rel=1e-9)
+    passed(f"activation bytes per layer: s*b*h*(34 + 5*a*s/h) on {len(cases)} shapes, one "
+           f"where 5as/h is not a whole number")
+
+
+def _activation_hint(got, s, b, h, a) -> str:
+    """Which part of Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) (2022, sec. 4.1) is off."""
+    want = activation_bytes_per_layer(s, b, h, a)
+    head = (f"activation bytes for s={s}, b={b}, h={h}, a={a}: got {got:,.6g}, expected "
+            f"{want:,.6g} = s*b*h*(34 + 5*a*s/h).")
+    if abs(got - 34 * s * b * h) <= 1e-9 * want:
+        return head + (" That is the 34 sbh of the linear layers alone: add the attention "
+                       "term 5 a s^2 b (the scores, the softmax and its dropout mask, per "
+                       "head).")
+    if abs(got - s * b * h * (34 + 5 * a * s // h)) <= 1e-9 * want:
+        return head + (" 5*a*s/h is not a whole number here: use true division (/), not "
+                       "//.")
+    if abs(got - s * h * (34 * b + 5 * a * s / h)) <= 1e-9 * want:
+        return head + " The attention term scales with the batch too: 5 a s^2 b."
+    return head + (" Check each term: 34 s b h for the linear layers, 5 a s^2 b for "
+                   "attention (Korthikanti et al. 2022, sec. 4.1).")
 
 
 def _cases():

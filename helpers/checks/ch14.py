@@ -97,8 +97,23 @@ def _groups(split: bool):
     r = rank_info()
     if not split:
         return None, r.world_size, r.rank
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    return pairs[r.rank // 2], 2, r.rank % 2
+    pairs = [dist.new_group(members) for members in SPLIT]
+    members, index = _place(r.rank, True, 4)
+    return pairs[SPLIT.index(members)], 2, index
+
+
+# Two groups of 2 out of 4 ranks, strided as a data x tensor mesh lays them out: a rank's
+# place in its group is not dist.get_rank() % 2, so code that takes the rank in the job
+# for the rank in the group shows (contiguous groups [0, 1], [2, 3] would hide it).
+SPLIT = [[0, 2], [1, 3]]
+
+
+def _place(rank: int, split: bool, world: int) -> tuple[list[int], int]:
+    """(the members of ``rank``'s group, its index in it)."""
+    if not split:
+        return list(range(world)), rank
+    members = next(m for m in SPLIT if rank in m)
+    return members, members.index(rank)
 
 
 _NO_ALL_REDUCE = {"all_reduce": "ZeRO reduce-scatters the gradient: an all-reduce sends "
@@ -108,7 +123,8 @@ _NO_ALL_REDUCE = {"all_reduce": "ZeRO reduce-scatters the gradient: an all-reduc
 
 def _group_advice(split: bool) -> str:
     return (" (4 ranks in two groups of 2: pass group=group to every collective and use "
-            "dist.get_rank(group), dist.get_world_size(group))" if split else "")
+            "dist.get_rank(group), dist.get_world_size(group): the groups are strided, [0, 2] "
+            "and [1, 3], so the rank in the job is not the rank in the group)" if split else "")
 
 
 def _flat_setup(numel, seed, n, rank):
@@ -162,7 +178,7 @@ def _run_zero1(zero1_step, numel, split):
         dist.all_gather(parts, mine.float(), group=group)
         adamw_update(ref, torch.cat(parts), rm, rv, step, LR, BETAS[0], BETAS[1], EPS, WD)
     return {"param": param, "ref": ref, "chunks": chunks, "ref_chunks": ref_chunks,
-            "abs_chunks": abs_chunks, "N": N}
+            "abs_chunks": abs_chunks, "N": N, "m": m.clone(), "ref_m": rm[lo:hi].clone()}
 
 
 def check_zero1_step(zero1_step) -> None:
@@ -175,7 +191,9 @@ def check_zero1_step(zero1_step) -> None:
     * an all-reduce (then a slice) instead of the reduce-scatter: refused (named);
     * ignores ``group`` (a collective without it, or dist.get_rank() of the world):
       a collective without group= is refused before it runs (named);
-    * N hard-coded: wrong at 3 or at 2 (the groups);
+    * N hard-coded: wrong at 3 or at 2 (the groups); the rank in the job taken for the
+      rank in the group (the groups are strided);
+    * AdamW given the summed chunk, ``/ N`` only in the value returned: Adam's m (named);
     * returns None or a non-tensor: named;
     * any exception: the rank's error, as CheckFailed.
     """
@@ -213,6 +231,19 @@ def _compare_zero1(res: list, world: int, split: bool) -> None:
                 raise CheckFailed(f"{where}, rank {rank}, step {step}: the gradient chunk is "
                                   f"not the average over ranks of this rank's chunk.{hint}"
                                   f"{_group_advice(split)}")
+        # Adam's first moment of this rank's chunk against the reference's: the weights
+        # alone cannot tell AdamW fed the summed chunk from AdamW fed the average (Adam's
+        # step is scale-invariant but for eps). Three steps of m = b1 m + (1 - b1) g on
+        # gradients equal to a few float32 roundings (the bound above): rtol 1e-5 is
+        # 100x that; a sum is N x off.
+        m, ref_m = out["m"], out["ref_m"]
+        if m.shape == ref_m.shape and not torch.allclose(m, ref_m, rtol=1e-5, atol=1e-7):
+            ratio = (m.norm() / ref_m.norm()).item() if ref_m.norm() > 0 else float("nan")
+            hint = (f" It is {N} x the reference: AdamW was given the summed chunk; divide "
+                    f"by the group size before the update, not only in the value returned."
+                    if abs(ratio - N) < 1e-3 else " AdamW must be given the averaged chunk.")
+            raise CheckFailed(f"{where}, rank {rank}: Adam's first moment m of this rank's "
+                              f"chunk differs from the reference's.{hint}")
         # The same AdamW arithmetic on the same gradients: equal up to how the
         # elementwise kernels round (fused multiply-add or not, vector or
         # scalar loop): an ulp or so per operation, ~10 operations per step,
@@ -224,12 +255,12 @@ def _compare_zero1(res: list, world: int, split: bool) -> None:
         diff = (out["param"] - out["ref"]).abs().max().item()
         if bad.any():
             chunk = out["param"].numel() // N
-            me = rank % N
+            me = _place(rank, split, world)[1]
             stale = [r for r in range(N) if r != me and bad[r * chunk:(r + 1) * chunk].any()]
             hint = (f" Chunks owned by group ranks {stale} are out of date: all-gather the "
                     f"updated chunks into flat_param." if stale else "")
             raise CheckFailed(f"{where}, rank {rank}: weights after 3 steps differ from "
-                              f"all-reduce + AdamW by {diff:.2e}.{hint}")
+                              f"all-reduce + AdamW by {diff:.2e}.{hint}{_group_advice(split)}")
 
 
 def _run_rs(reduce_scatter_bucket, split):
@@ -237,8 +268,10 @@ def _run_rs(reduce_scatter_bucket, split):
     group, N, rank = _groups(split)
     g = torch.Generator().manual_seed(3 + rank_info().rank)
     dev = rank_info().device
-    # 11 elements: not a multiple of 2 or 3, so padding is needed in both runs
-    grads = [torch.randn(3, 2, generator=g).to(dev), torch.randn(5, generator=g).to(dev)]
+    # 11 elements: not a multiple of 2 or 3, so padding is needed in both runs; the first
+    # gradient (5) is not a multiple either, so padding each gradient on its own (5 -> 6,
+    # then 6) lays the bucket out differently from padding the bucket at its end
+    grads = [torch.randn(5, generator=g).to(dev), torch.randn(3, 2, generator=g).to(dev)]
     with _Watched(group, _NO_ALL_REDUCE):
         got = reduce_scatter_bucket([t.clone() for t in grads],
                                     **({"group": group} if split else {}))
@@ -247,13 +280,14 @@ def _run_rs(reduce_scatter_bucket, split):
 
 
 def check_reduce_scatter_bucket(reduce_scatter_bucket) -> None:
-    """A bucket of a (3, 2) and a (5,) gradient, 11 elements: on 3 ranks (padded to 12)
+    """A bucket of a (5,) and a (3, 2) gradient, 11 elements: on 3 ranks (padded to 12)
     and on 4 ranks in two groups of 2 passed as ``group`` (padded to 12, chunks of 6).
 
     Catches:
     * the sum, not the average; averaged twice: named;
     * no padding (the last elements dropped): a chunk of the wrong size (named);
-    * the buffer in another order than ``grads``: named;
+    * the buffer in another order than ``grads``, or each gradient padded on its own
+      instead of the bucket at its end: named;
     * an all-reduce instead of the reduce-scatter: refused (named);
     * ignores ``group``: a collective without group= refused before it runs (named);
     * returns None, the whole buffer, or raises: named.
@@ -272,10 +306,10 @@ def _compare_rs(res: list, world: int, split: bool) -> None:
     where = f"{world} ranks" + (" in two groups of 2" if split else "")
     for rank, out in enumerate(res):
         N = out["N"]
-        members = [q for q in range(world) if q // N == rank // N] if split else range(world)
+        members, me = _place(rank, split, world)
         flat = [torch.cat([t.reshape(-1) for t in res[q]["grads"]]) for q in members]
         padded = -(-11 // N) * N
-        k, me = padded // N, rank % N
+        k = padded // N
         avg, abs_avg = torch.zeros(padded), torch.zeros(padded)
         avg[:11] = sum(flat) / N
         abs_avg[:11] = sum(f.abs() for f in flat) / N  # sum |terms|, for the bound

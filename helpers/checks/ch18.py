@@ -10,6 +10,10 @@ batch, the gradients are summed with an all-reduce and divided by the number of 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+
 import inspect
 
 import torch
@@ -335,13 +339,19 @@ def check_fixed(n: int, fixed) -> None:
     for i, profile in enumerate(_PROFILES[n]):
         data = ("the lab's data" if i == 0 else
                 f"other data ({_describe_profile(n, profile)})")
+        printed = io.StringIO()
         try:
-            got = launch(_run_with, WORLD, profile, fixed, record=True, timeout=10)
+            with contextlib.redirect_stdout(printed):
+                got = launch(_run_with, WORLD, profile, fixed, record=True, timeout=10)
         except RankError as err:
+            print(printed.getvalue(), end="")
             if err.exc_type == "NotImplementedError":
                 raise CheckFailed(f"fix {n} is not implemented yet") from None
             raise CheckFailed(f"fix {n} still fails on {data}: {_summary(err)}") from None
+        print(printed.getvalue(), end="")
         want = reference(**_want(n, profile))
+        if n == 2:
+            _check_logged_losses(printed.getvalue())
         for rank, w in enumerate(got):
             if not isinstance(w, torch.Tensor) or w.shape != (8,):
                 raise CheckFailed(f"fix {n}: rank {rank} returned {w!r}, expected the 8 weights")
@@ -360,7 +370,52 @@ def check_fixed(n: int, fixed) -> None:
                                   f"reference by {diff:.3g}: {hint}")
     passed(f"fix {n}: no hang, no mismatch, and all 3 ranks end with the reference weights"
            + (f" (on the lab's data and on {len(_PROFILES[n]) - 1} other)"
-              if len(_PROFILES[n]) > 1 else ""))
+              if len(_PROFILES[n]) > 1 else "")
+           + ("; rank 0 logs each step's mean loss across the ranks" if n == 2 else ""))
+
+
+def reference_losses() -> list[tuple[float, float, float]]:
+    """Per step, before its update: (the mean of the ranks' losses, rank 0's own, their
+    sum), from single-process data parallelism."""
+    w, out = torch.zeros(8, dtype=torch.float64), []
+    for step in range(STEPS):
+        losses, grads = [], []
+        for rank in range(WORLD):
+            wr = w.clone().requires_grad_(True)
+            x, y = _clean_batch(rank, step)
+            loss = (x @ wr - y).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(wr.grad)
+        out.append((sum(losses) / WORLD, losses[0], sum(losses)))
+        w = w - LR * torch.stack(grads).sum(0) / WORLD
+    return out
+
+
+def _check_logged_losses(printed: str) -> None:
+    """Fix 2 must still log, on rank 0, each step's loss averaged over the ranks: the
+    last number of each of rank 0's lines that mention the loss, against the reference
+    (printed to 4 decimals: a difference under 1e-4 relative is the rounding)."""
+    lines = [line for line in printed.splitlines()
+             if line.startswith("[rank 0]") and "loss" in line.lower()]
+    numbers = [re.findall(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?", line)
+               for line in lines]
+    logged = [float(found[-1]) for found in numbers if found]
+    if len(logged) != STEPS:
+        raise CheckFailed(f"fix 2: rank 0 should still log the loss once per step ({STEPS} "
+                          f"lines such as 'step 0: loss 10.5063'); found {len(logged)}")
+    for step, (got, (mean, own, total)) in enumerate(zip(logged, reference_losses())):
+        def near(x):
+            return abs(got - x) <= 1e-4 * max(1.0, abs(x))
+        if near(mean):
+            continue
+        why = (" That is rank 0's own loss: all-reduce it on every rank, then divide by the "
+               "world size." if near(own) else
+               " That is the sum over the ranks: divide by the world size." if near(total)
+               else " Log the mean over the ranks: all-reduce the loss on every rank, "
+                    "divide by the world size, print on rank 0.")
+        raise CheckFailed(f"fix 2: at step {step} rank 0 logged {got:.6g}, but the mean loss "
+                          f"across the {WORLD} ranks is {mean:.6g}.{why}")
 
 
 def _describe_profile(n: int, profile: dict) -> str:

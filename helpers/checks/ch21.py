@@ -186,8 +186,14 @@ def _dispatch_on(dispatch, P, E, H, probe_rows, split=False) -> None:
             raise CheckFailed("dispatch must return (received, recv_counts)")
         received, recv_counts = got
         rc, want_rc = _tensor(recv_counts, "recv_counts"), out["want_counts"]
-        if rc.numel() != want_rc.numel() or not torch.equal(rc.reshape(want_rc.shape).long(),
-                                                            want_rc):
+        if rc.numel() == want_rc.numel() and tuple(rc.shape) != tuple(want_rc.shape) and \
+                torch.equal(rc.reshape(want_rc.shape).long(), want_rc):
+            raise CheckFailed(f"{where}, {E} experts, rank {r}: recv_counts has the right "
+                              f"numbers in shape {tuple(rc.shape)}; return it shaped "
+                              f"{tuple(want_rc.shape)} (P, E/P): row q is what rank q sends "
+                              f"to each of my experts, which combine and the expert layer "
+                              f"index by source rank (recv_counts.view(P, -1))")
+        if rc.numel() != want_rc.numel() or not torch.equal(rc.long(), want_rc):
             raise CheckFailed(f"{where}, {E} experts, rank {r}: recv_counts "
                               f"{torch.as_tensor(recv_counts).tolist()}, "
                               f"expected {out['want_counts'].tolist()}: row q is what rank q "
