@@ -1,4 +1,10 @@
-"""Bucketed data parallelism that overlaps gradient all-reduce with backward.
+"""BucketedDDP: the reducer that overlaps the buckets' all-reduces with backward.
+
+Chapter 04, section 1 (the mechanism, points 1 and 3-5, and the drawing of
+the hooks at work), sections 2-4 (the same gradients as torch's DDP, the
+overlap, step time against bucket size) and section 5 (``no_sync``, unused
+parameters, buffers). Which parameters share a bucket is
+``helpers.ddp.buckets``; what carries a bucket, ``helpers.ddp.comm_hooks``.
 
 What
 ----
@@ -9,14 +15,8 @@ Parallel Training", VLDB, sec. 3-4), in Python, small enough to read:
 1. **Same start.** At construction rank 0's parameters and buffers are
    broadcast, so replicas begin identical whatever each rank's seed was.
 2. **Buckets.** Trainable parameters are grouped into buckets of about
-   ``bucket_cap_mb`` (default 25 MB), in *reverse registration order*: a
-   model's last layers are registered last but get their gradients first in
-   backward, so the first bucket fills first. (DDP reaches this layout only
-   after its first iteration; see "How production differs".) The first bucket is kept small
-   (``first_bucket_mb``, default 1 MB) so that the first all-reduce starts
-   as early as possible (Li et al. 2020, sec. 3.2.3 and 4.2; DDP's
-   ``bucket_cap_mb`` / first-bucket cap). The rule is ``assign_buckets``,
-   which ZeRO's stage 2 uses as well (``helpers.zero.partition.size_buckets``).
+   ``bucket_cap_mb``, the last-registered first, with a small first bucket
+   (``assign_buckets``, ``helpers.ddp.buckets``).
 3. **Hooks.** A post-accumulate-grad hook on every parameter fires when that
    parameter's ``.grad`` is final for this backward. When a bucket's last
    gradient arrives, its gradients are copied into one flat buffer and the
@@ -76,15 +76,6 @@ only the last bucket's all-reduce is exposed after backward. Bucket size is
 the knob: small buckets overlap more but pay more latency terms; one giant
 bucket pays one alpha but cannot start until backward ends.
 
-``comm_hook(flat_grad, group) -> torch.futures.Future`` replaces the
-all-reduce of a bucket (DDP's ``register_comm_hook``). The future must
-resolve to the *averaged* flat gradient, same shape. Chapter 16 plugs
-compression in here. A hook with a ``bind(ddp)`` method is handed the
-BucketedDDP once, at construction, on every rank; what it may read is
-public: ``buckets``, ``layout`` and ``flat_buffers`` (PowerSGD reads which
-tensors each bucket holds, as DDP's ``GradBucket.gradients()`` tells torch's
-hooks).
-
 How production differs: DDP's reducer is C++; with
 ``gradient_as_bucket_view=True`` (off by default) it makes ``.grad`` a view
 into the bucket, which saves the copy back and one gradient's worth of
@@ -93,21 +84,10 @@ gradients, static graphs and mixed devices, and (with NCCL) runs the
 all-reduce on a separate CUDA stream. Two differences change what a reader
 of a trace or a profile sees:
 
-* **Bucket layout over time.** DDP builds its *first* buckets before any
-  backward has run, from the parameters in *registration* order (with
-  ``find_unused_parameters=True`` the first-registered parameters fill the
-  small first bucket and the list of buckets is then reversed; with the
-  default ``find_unused_parameters=False``, recent versions start from a
-  single bucket holding everything). During the first backward the reducer
-  records the order in which gradients really became ready, and once, after
-  that first iteration, rebuilds the buckets in that order with the small
-  bucket first (``Reducer::rebuild_buckets``; never with
-  ``find_unused_parameters=True``). ``BucketedDDP`` uses a fixed *reverse
-  registration* order from the start: that is the rebuilt layout for a model
-  whose gradients arrive last-layer-first, not DDP's first iteration, and it
-  never looks at the real arrival order. The averaged gradients are the same
-  either way; which all-reduce carries which gradient, and so the overlap,
-  differs.
+* **Bucket layout over time.** DDP rebuilds its buckets once, after the first
+  iteration, in the order the gradients arrived; ``BucketedDDP`` keeps the
+  reverse registration order from the start (``helpers.ddp.buckets`` says
+  more).
 * **Buffers every forward.** DDP broadcasts rank 0's buffers (BatchNorm's
   running statistics, for instance) at the start of *every* forward by
   default (``broadcast_buffers=True``, renamed ``forward_sync_buffers`` in
@@ -121,114 +101,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from helpers.clock import clock_for, resolve
+from helpers.comm import world_size
+from helpers.ddp.buckets import MB, assign_buckets
+from helpers.ddp.comm_hooks import allreduce_hook
 from helpers.naive_dp import broadcast_parameters, unique_parameters
-from helpers.comm import completed_future, world_size  # (completed_future lived here first)
 
-__all__ = ["BucketedDDP", "assign_buckets", "allreduce_hook", "ring_allreduce_hook",
-           "completed_future", "MB"]
-
-MB = 1024 * 1024  # DDP's bucket_cap_mb counts binary megabytes
-
-
-def allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
-    """Default comm hook: divide by p, then an asynchronous sum all-reduce.
-
-    Dividing before summing (as DDP's default does) keeps fp16 sums in range.
-    """
-    p = world_size(group)
-    if p == 1:
-        return completed_future(flat_grad)
-    flat_grad.div_(p)
-    work = dist.all_reduce(flat_grad, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def ring_allreduce_hook(flat_grad: torch.Tensor, group=None) -> torch.futures.Future:
-    """Our ring from ch. 03 as the bucket all-reduce (synchronous, so no overlap)."""
-    from helpers.collectives import ring_all_reduce
-
-    p = world_size(group)
-    if p > 1:
-        flat_grad.div_(p)
-        ring_all_reduce(flat_grad, group)
-    return completed_future(flat_grad)
-
-
-def assign_buckets(sizes_bytes: Sequence[int], bucket_cap_bytes: float,
-                   first_bucket_bytes: float | None = None,
-                   dtypes: Sequence | None = None) -> list[list[int]]:
-    """Group parameters (given in registration order) into buckets: the one
-    bucketing rule of the course, used by ``BucketedDDP`` and by ZeRO's stage 2
-    (``helpers.zero.partition.size_buckets``, which counts elements instead of
-    bytes: any unit works if sizes and caps share it).
-
-    Walk the parameters from last registered to first; add each to the open
-    bucket of its dtype; close that bucket as soon as it holds at least its
-    cap (so a bucket exceeds the cap by at most one parameter, and a
-    parameter larger than the cap gets a bucket of its own). The first bucket
-    of each dtype has cap ``first_bucket_bytes`` (default: ``bucket_cap_bytes``),
-    later ones ``bucket_cap_bytes``. Buckets of one flat buffer need one
-    dtype, hence one open bucket per dtype.
-
-    Why reverse: gradients arrive roughly in reverse. Backward visits the
-    layers in the reverse of forward, and a model usually registers its
-    modules in the order forward uses them, so the last-registered parameters
-    get their gradients first. Bucket 0 then is complete first and its
-    all-reduce overlaps the rest of backward; in registration order the first
-    bucket would wait for the very last gradient. It is a guess from the
-    registration order; torch's DDP replaces it after the first iteration by
-    the order it saw (module docstring, "How production differs").
-
-    Why a smaller first bucket: it is complete, and its all-reduce starts,
-    sooner. In torch 2.13 the value is ``dist._DEFAULT_FIRST_BUCKET_BYTES``
-    = 1 MiB (``kDefaultFirstBucketBytes = 1024 * 1024`` in c10d's
-    reducer.hpp), the later caps ``bucket_cap_mb`` = 25 MiB
-    (``_DEFAULT_BUCKET_CAP_MB`` in torch/nn/parallel/distributed.py). torch
-    applies the 1 MiB only while ``bucket_cap_mb`` is left at its default:
-    ``_BucketCapacityConfig.create`` sets ``first_bucket_bytes_cap =
-    dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else
-    bucket_bytes_cap``. BucketedDDP keeps ``first_bucket_mb=1`` whatever
-    ``bucket_cap_mb`` is; pass ``first_bucket_mb=bucket_cap_mb`` for torch's
-    layout with an explicit cap.
-
-    Returns lists of parameter indices, buckets in the order they are
-    expected to become ready. Same rule as DDP's
-    ``_compute_bucket_assignment_by_size`` fed the parameters in reverse
-    (tests/test_ddp.py compares the two on random cases).
-    """
-    n = len(sizes_bytes)
-    if first_bucket_bytes is None:
-        first_bucket_bytes = bucket_cap_bytes
-    if bucket_cap_bytes < 0 or first_bucket_bytes < 0:
-        raise ValueError(f"bucket caps must be >= 0 bytes, got {bucket_cap_bytes}, "
-                         f"{first_bucket_bytes}")
-    if dtypes is not None and len(dtypes) != n:
-        raise ValueError(f"{len(dtypes)} dtypes for {n} parameters")
-    order = list(range(n - 1, -1, -1))
-    position = {i: k for k, i in enumerate(order)}
-    buckets: list[list[int]] = []
-    open_: dict = {}      # dtype -> [indices, bytes]
-    closed: dict = {}     # dtype -> buckets closed so far
-    for i in order:
-        key = dtypes[i] if dtypes is not None else None
-        b = open_.setdefault(key, [[], 0])
-        b[0].append(i)
-        b[1] += sizes_bytes[i]
-        cap = first_bucket_bytes if closed.get(key, 0) == 0 else bucket_cap_bytes
-        if b[1] >= cap:
-            buckets.append(b[0])
-            closed[key] = closed.get(key, 0) + 1
-            del open_[key]
-    buckets.extend(b[0] for b in open_.values() if b[0])
-    # Ready order = the position of a bucket's first parameter in backward order.
-    return sorted(buckets, key=lambda b: position[b[0]])
+__all__ = ["BucketedDDP"]
 
 
 class BucketedDDP(nn.Module):
