@@ -49,11 +49,16 @@ from helpers.model import Block
 from helpers.tp import (ColumnParallelLinear, RowParallelLinear, record_collective, tp_rank,
                         tp_size)
 
-__all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "SequenceParallelBlock",
-           "sequence_parallel_block", "allreduce_replicated_grads", "ring_wire_bytes"]
+__all__ = ["all_gather_seq", "reduce_scatter_seq", "gather_from_sequence",
+           "reduce_scatter_to_sequence", "SequenceParallelBlock", "sequence_parallel_block",
+           "allreduce_replicated_grads", "ring_wire_bytes"]
 
 
-def _all_gather_seq(x, group, layer, direction):
+# The two collectives of sequence parallelism, plain (no autograd): the edges below
+# (_SequenceCollective) and helpers.sp.regather's linear build their backward from them.
+# ``layer`` and ``direction`` label the call in helpers.tp's record_collective.
+
+def all_gather_seq(x, group, layer, direction):
     """(B, T/t, h) per rank -> (B, T, h), rank order along the sequence."""
     record_collective("all_gather", x, layer, direction)
     parts = [torch.empty_like(x) for _ in range(tp_size(group))]
@@ -61,7 +66,7 @@ def _all_gather_seq(x, group, layer, direction):
     return torch.cat(parts, dim=1)
 
 
-def _reduce_scatter_seq(x, group, layer, direction):
+def reduce_scatter_seq(x, group, layer, direction):
     """(B, T, h) partial sums on each rank -> (B, T/t, h): the sum, this rank's positions."""
     t = tp_size(group)
     if x.size(1) % t:
@@ -84,12 +89,12 @@ class _SequenceCollective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, layer, gather):
         ctx.group, ctx.layer, ctx.gather = group, layer, gather
-        op = _all_gather_seq if gather else _reduce_scatter_seq
+        op = all_gather_seq if gather else reduce_scatter_seq
         return op(x, group, layer, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        op = _reduce_scatter_seq if ctx.gather else _all_gather_seq
+        op = reduce_scatter_seq if ctx.gather else all_gather_seq
         return op(grad, ctx.group, ctx.layer, "backward"), None, None, None
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helpers.sp.megatron import (SequenceParallelBlock, _all_gather_seq, _reduce_scatter_seq,
+from helpers.sp.megatron import (SequenceParallelBlock, all_gather_seq, reduce_scatter_seq,
                                  reduce_scatter_to_sequence, sequence_parallel_block)
 from helpers.tp import tp_size
 
@@ -45,15 +45,15 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, layer):
         ctx.group, ctx.layer, ctx.has_bias = group, layer, bias is not None
         ctx.save_for_backward(x, weight)                       # the shard, not the gather
-        whole = _all_gather_seq(x, group, layer, "forward")   # (B, T, h)
+        whole = all_gather_seq(x, group, layer, "forward")    # (B, T, h)
         return F.linear(whole, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):                                   # grad: (B, T, out/t)
         x, weight = ctx.saved_tensors
-        whole = _all_gather_seq(x, ctx.group, ctx.layer, "backward")   # the re-gather
+        whole = all_gather_seq(x, ctx.group, ctx.layer, "backward")    # the re-gather
         grad_whole = grad @ weight                              # (B, T, h), a partial sum
-        grad_x = _reduce_scatter_seq(grad_whole, ctx.group, ctx.layer, "backward")
+        grad_x = reduce_scatter_seq(grad_whole, ctx.group, ctx.layer, "backward")
         g2, w2 = grad.reshape(-1, grad.size(-1)), whole.reshape(-1, whole.size(-1))
         grad_w = g2.t() @ w2                                    # (out/t, h)
         grad_b = g2.sum(0) if ctx.has_bias else None
