@@ -82,7 +82,8 @@ from helpers.validate import positive_int
 __all__ = ["RING_COLLECTIVES", "COLLECTIVES", "Placement", "placement", "ring_steps",
            "inter_node_steps", "wire_factor", "sent_bytes", "nic_share", "ring_latency",
            "bus_bandwidth", "ring_time", "scattered_bus_bandwidth", "scattered_ring_time",
-           "hierarchical_all_reduce_time", "all_to_all_time", "collective_time", "p2p_time"]
+           "hierarchical_all_reduce_time", "all_to_all_time", "collective_time", "p2p_time",
+           "clear_caches"]
 
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 COLLECTIVES = RING_COLLECTIVES + ("all_to_all",)
@@ -292,3 +293,10 @@ def p2p_time(topo: Topology, nbytes: float, *, crosses_node: bool,
     senders = min(topo.gpus_per_node, senders_per_node or topo.gpus_per_node)
     share = min(1.0, topo.nics_per_node / senders)
     return topo.inter.latency + nbytes / (topo.inter.bandwidth * share)
+
+
+def clear_caches() -> None:
+    """Forget the cached placements and collective terms (``helpers.costs.clear_caches``
+    calls it, with the other modules' caches, for cold timings)."""
+    for cached in (placement, _ring, _all_to_all):
+        cached.cache_clear()
