@@ -116,6 +116,53 @@ class RngStateSaved(torch.autograd.Function):
         return None, x.grad
 
 
+class ReseedsInitialSeed(torch.autograd.Function):
+    """Keeps torch.initial_seed() and reseeds with it in backward: the same mask only when
+    forward drew first after torch.manual_seed."""
+
+    @staticmethod
+    def forward(ctx, run_fn, x):
+        ctx.run_fn, ctx.seed = run_fn, torch.initial_seed()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run_fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ctx.seed)
+            with torch.enable_grad():
+                y = ctx.run_fn(x)
+        torch.autograd.backward(y, grad_out)
+        return None, x.grad
+
+
+class ReseedsSameSeed(torch.autograd.Function):
+    """Seeds the caller's stream with torch.initial_seed() before forward and again before
+    the recompute: one mask both times, but not the stream's own next mask."""
+
+    @staticmethod
+    def forward(ctx, run_fn, x):
+        ctx.run_fn, ctx.seed = run_fn, torch.initial_seed()
+        ctx.save_for_backward(x)
+        torch.manual_seed(ctx.seed)
+        with torch.no_grad():
+            return run_fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ctx.seed)
+            with torch.enable_grad():
+                y = ctx.run_fn(x)
+        torch.autograd.backward(y, grad_out)
+        return None, x.grad
+
+
 def _delayed(*args):  # the solution's update (the course's own is refused inside the check)
     return exercise(SOL, "update_delayed_scale")(*args)
 
@@ -237,6 +284,10 @@ class TestChapter13(ChapterChecks):
         Wrong("checkpoint", NoRngRestore, "a fresh dropout mask in the recompute",
               says="same mask"),
         Wrong("checkpoint", KeepsGraph, "saves the output too", says="only the input"),
+        Wrong("checkpoint", ReseedsInitialSeed, "reseeds with torch.initial_seed(), no saved state",
+              says="reseed"),
+        Wrong("checkpoint", ReseedsSameSeed, "seeds forward and recompute with the same seed",
+              says="reseed"),
         Wrong("checkpoint", OneGradient, "backward returns one gradient for two inputs",
               says="raised RuntimeError"),
         Wrong("delayed_scale", _scale_only, "returns only the scale",

@@ -38,6 +38,10 @@ def check_checkpoint(LearnerCheckpoint) -> None:
 
     Catches:
     * a fresh dropout mask in the recompute (RNG state not saved): gradients (named);
+    * reseeds instead of saving the state (torch.initial_seed(), or one fixed seed for forward
+      and recompute): matches right after torch.manual_seed, not once the stream has drawn
+      (the second case; named);
+    * forward rewinds the stream after drawing: the stream after forward (named);
     * rewinds the global RNG without fork_rng: the caller's stream after backward (named);
     * saves the output (or runs forward with grad): bytes kept for backward (named); the
       RNG state kept with ``save_for_backward`` is not counted (it is part of an answer);
@@ -51,15 +55,18 @@ def check_checkpoint(LearnerCheckpoint) -> None:
     block = Block(cfg).train()
     x0 = torch.randn(2, 16, cfg.n_embd)
 
-    def grads(fn):
+    def grads(fn, drawn):
         block.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_()
         torch.manual_seed(42)
+        if drawn:                     # the stream in use since the seed, as at every layer
+            torch.rand(drawn)         # but the first: only a saved state replays it
         with SavedTensorCounter(block) as counter:
             y = fn(x)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             raise CheckFailed(f"the checkpoint should return block(x), a tensor of shape "
                               f"{tuple(x.shape)}, got {type(y).__name__}")
+        after_forward = torch.get_rng_state()  # the next layer draws from here
         torch.manual_seed(1234)       # backward runs with the RNG elsewhere, as in training
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         after = torch.get_rng_state()  # backward must leave the caller's stream alone
@@ -69,29 +76,57 @@ def check_checkpoint(LearnerCheckpoint) -> None:
         kept = sum(r.nbytes for r in counter.records
                    if not (r.dtype == rng.dtype and r.shape == tuple(rng.shape)))
         return (y.detach(), x.grad, [p.grad for p in block.parameters()], kept,
-                after)
+                after, after_forward)
 
-    ref = grads(block)
-    got = attempt(grads, lambda x: LearnerCheckpoint.apply(block, x), what="Checkpoint")
-    if not torch.equal(got[0], ref[0]):
-        raise CheckFailed("forward output differs from block(x)")
-    if got[1] is None or any(g is None for g in got[2]):
-        raise CheckFailed("some gradients are missing: backward must run the recomputed "
-                          "graph backward and return the input's gradient")
-    same_params = all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
-    if not torch.equal(got[1], ref[1]) or not same_params:
-        raise CheckFailed("gradients differ from no recompute: with dropout on, the recompute "
-                          "must draw the same mask (save the RNG state in forward, restore it "
-                          "in backward)")
-    if not torch.equal(got[4], ref[4]):
-        raise CheckFailed("backward changed the caller's random stream: restore the saved RNG "
-                          "state inside torch.random.fork_rng(devices=[]) so it is put back "
-                          "after the recompute")
-    if got[3] > x0.nbytes:
-        raise CheckFailed(f"the checkpoint kept {got[3]:,} bytes for backward; only the input "
-                          f"({x0.nbytes:,} bytes) should be kept (run the block under no_grad)")
-    passed("checkpoint: same output and gradients with dropout, keeps only the input, "
-           "leaves the caller's RNG alone")
+    def same_run(ref, got):           # output and every gradient as without checkpointing
+        return (torch.equal(got[0], ref[0]) and got[1] is not None
+                and all(g is not None for g in got[2]) and torch.equal(got[1], ref[1])
+                and all(torch.equal(a, b) for a, b in zip(got[2], ref[2])))
+
+    # Two cases: forward the first draw after torch.manual_seed (where reseeding with
+    # torch.initial_seed() or any fixed seed happens to replay the mask), and forward after
+    # the stream has drawn (only the saved RNG state replays that mask).
+    runs = [(drawn, grads(block, drawn),
+             attempt(grads, lambda x: LearnerCheckpoint.apply(block, x), drawn,
+                     what="Checkpoint"))
+            for drawn in (0, 5)]
+    fresh_ok = same_run(runs[0][1], runs[0][2])
+    for drawn, ref, got in runs:
+        if drawn and fresh_ok and not same_run(ref, got):
+            raise CheckFailed(
+                f"right after torch.manual_seed the checkpoint matched block(x), but with the "
+                f"random stream already in use ({drawn} numbers drawn since the seed, as at "
+                f"every layer but the first) its "
+                f"{'output' if not torch.equal(got[0], ref[0]) else 'gradients'} differ: "
+                f"reseeding (torch.initial_seed() or a fixed seed) restarts the stream from "
+                f"the seed, not from where forward drew its mask. Save torch.get_rng_state() "
+                f"in forward and restore it with torch.set_rng_state in backward")
+        if not torch.equal(got[0], ref[0]):
+            raise CheckFailed("forward output differs from block(x) run on the caller's random "
+                              "stream as it is (dropout on)")
+        if got[1] is None or any(g is None for g in got[2]):
+            raise CheckFailed("some gradients are missing: backward must run the recomputed "
+                              "graph backward and return the input's gradient")
+        if not same_run(ref, got):
+            raise CheckFailed("gradients differ from no recompute: with dropout on, the "
+                              "recompute must draw the same mask (save the RNG state in "
+                              "forward, restore it in backward)")
+        if not torch.equal(got[5], ref[5]):
+            raise CheckFailed("after forward the caller's random stream is not where block(x) "
+                              "leaves it: forward draws its dropout from the stream as it is "
+                              "and leaves it advanced (the next layer needs fresh masks); only "
+                              "backward's recompute rewinds, inside fork_rng")
+        if not torch.equal(got[4], ref[4]):
+            raise CheckFailed("backward changed the caller's random stream: restore the saved "
+                              "RNG state inside torch.random.fork_rng(devices=[]) so it is put "
+                              "back after the recompute")
+        if got[3] > x0.nbytes:
+            raise CheckFailed(f"the checkpoint kept {got[3]:,} bytes for backward; only the "
+                              f"input ({x0.nbytes:,} bytes) should be kept (run the block under "
+                              f"no_grad)")
+    passed("checkpoint: same output and gradients with dropout (first draw after the seed, and "
+           "the stream already in use), keeps only the input, leaves the caller's random stream "
+           "where block(x) would after forward and after backward")
 
 
 def check_delayed_scale(learner_fn) -> None:
