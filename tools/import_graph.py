@@ -6,8 +6,11 @@
 A module's floor is one more than the highest floor it imports from, so
 arrows point down; an arrow that cannot (a circle) is listed. Imports inside
 functions count too: a lazy import is still a dependency a reader must know.
-A *private* import is ``from helpers.x import _name`` from another module:
-the other module's inside, which it may change without notice.
+A *private* import is ``from helpers.x import _name`` from another module, or
+a reach through an imported module (``x._name`` after ``from helpers import x``):
+the other module's inside, which it may change without notice. The line count
+of each module is printed beside it (the house's rooms are read in one sitting:
+``MAX_LINES``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "helpers"
+MAX_LINES = 500  # a module a learner reads beside its chapter, in one sitting
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -37,17 +41,46 @@ def _resolve(node: ast.ImportFrom, here: str, is_package: bool) -> str | None:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _outside(importer: str, module: str) -> bool:
+    """``module`` is another module than ``importer`` and not a package holding it."""
+    return module != importer and not importer.startswith(module + ".")
+
+
+def _reaches(tree: ast.AST, bound: dict[str, str], mods: dict[str, pathlib.Path]):
+    """(module, name) of every ``alias.sub._name`` whose ``alias`` is bound to a
+    module of helpers and whose ``_name`` is private (not a dunder)."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in bound:
+            module = ".".join([bound[value.id]] + chain[::-1])
+            if module in mods:
+                yield module, node.attr
+
+
 def imports(mods: dict[str, pathlib.Path]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
     """Arrows (module -> modules of helpers it imports) and private imports
-    (importer, imported module, name)."""
+    (importer, imported module, name): ``from helpers.x import _name``, or
+    ``x._name`` through a module bound by an import."""
     arrows: dict[str, set[str]] = {m: set() for m in mods}
     private: list[tuple[str, str, str]] = []
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
+        bound: dict[str, str] = {}  # a local name -> the module of helpers it is
         for node in ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
+                for a in node.names:
+                    if a.asname:
+                        bound[a.asname] = a.name
+                    elif a.name.split(".")[0] == "helpers":
+                        bound["helpers"] = "helpers"
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(node, name, path.name == "__init__.py")
                 if base is None:
@@ -56,10 +89,10 @@ def imports(mods: dict[str, pathlib.Path]) -> tuple[dict[str, set[str]], list[tu
                     full = f"{base}.{alias.name}"
                     if full in mods:
                         targets.append(full)
+                        bound[alias.asname or alias.name] = full
                     else:
                         targets.append(base)
-                        if alias.name.startswith("_") and base in mods \
-                                and not name.startswith(base + ".") and base != name:
+                        if alias.name.startswith("_") and base in mods and _outside(name, base):
                             private.append((name, base, alias.name))
             for target in targets:
                 # a package's own __init__ importing its submodules is the package's front door
@@ -67,6 +100,8 @@ def imports(mods: dict[str, pathlib.Path]) -> tuple[dict[str, set[str]], list[tu
                     target = target.rsplit(".", 1)[0]
                 if target in mods and target != name and not name.startswith(target + "."):
                     arrows[name].add(target)
+        private += [(name, module, attr) for module, attr in _reaches(tree, bound, mods)
+                    if _outside(name, module)]
     return arrows, private
 
 
@@ -141,6 +176,9 @@ def report() -> str:
     out += ["  " + " -> ".join(c) for c in loops]
     out.append(f"private imports across modules: {len(private)}")
     out += [f"  {a} imports {name} from {b}" for a, b, name in private]
+    long = sorted((m for m, n in lines_of.items() if n > MAX_LINES), key=lines_of.get)
+    out.append(f"modules over {MAX_LINES} lines: {len(long)}")
+    out += [f"  {m} ({lines_of[m]})" for m in long]
     return "\n".join(out)
 
 
