@@ -176,6 +176,20 @@ def test_widget_and_plot_build():
     ax = plot_memory_bars({"a": training_memory(7e9, seq=1024, micro_batch=1, hidden=4096,
                                                 heads=32, layers=32)})
     assert len(ax.patches) == 4                # one stacked bar, four parts
+    # the planner's ZeRO-3 term is stacked too: each bar's top is the budget's total
+    budgets = {"a": {"weights": 1e9, "grads": 1e9, "optimizer": 6e9, "gathered": 2e9,
+                     "activations": 3e9},
+               "b": {"weights": 2e9, "grads": 2e9, "optimizer": 6e9, "gathered": 0.0,
+                     "activations": 4e9}}
+    ax = plot_memory_bars(budgets, gpu_gb=72, gpu_label="usable")
+    tops = {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    assert [tops[i] for i in (0, 1)] == pytest.approx([13.0, 14.0], rel=1e-12)
+    assert any(t.get_text() == " 72 GB usable" for t in ax.texts)
+    with pytest.raises(ValueError, match="gathered layers"):
+        plot_memory_bars({"a": {"weights": 1e9, "gathered layers": 1e9}})
 
 
 @pytest.mark.gpu

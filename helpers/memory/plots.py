@@ -21,26 +21,40 @@ __all__ = ["plot_memory_bars", "plot_memory_over_step", "memory_widget"]
 # ---------------------------------------------------------------------------
 
 _PARTS = ("weights", "grads", "optimizer", "activations")
+# what a bar stacks, bottom up: the four parts and, where a budget has it, ZeRO-3's
+# all-gathered layers (the planner's "gathered" term, chapter 15)
+_BAR_PARTS = ("weights", "grads", "optimizer", "gathered", "activations")
 _COLORS = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
-           "activations": "#c44e52", "buckets": "#f2c6a0"}
-_LABELS = {"buckets": "DDP buckets"}
+           "gathered": "#8172b3", "activations": "#c44e52", "buckets": "#f2c6a0"}
+_LABELS = {"buckets": "DDP buckets", "gathered": "gathered layers"}
 
 
-def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: float | None = 80.0):
-    """Stacked bars, one per configuration, of ``training_memory``'s parts in GB."""
+def plot_memory_bars(budgets: dict[str, dict[str, float]], ax=None, gpu_gb: float | None = 80.0,
+                     gpu_label: str = "GPU"):
+    """Stacked bars, one per configuration, of ``training_memory``'s parts in GB, and of
+    the planner's ``gathered`` term where a budget has one (every part given is drawn;
+    a key other than these and ``total`` is refused, so that no term goes missing).
+    ``gpu_gb``: a dashed line labelled "<gpu_gb> GB <gpu_label>" (e.g. "usable" for
+    the share of the GPU a planner lets a layout use)."""
     import matplotlib.pyplot as plt
 
+    unknown = {k for b in budgets.values() for k in b} - set(_BAR_PARTS) - {"total"}
+    if unknown:
+        raise ValueError(f"plot_memory_bars draws {_BAR_PARTS}; got {sorted(unknown)}")
     if ax is None:
         _, ax = plt.subplots(figsize=(1.6 + 1.3 * len(budgets), 3.6))
     labels = list(budgets)
     bottom = [0.0] * len(labels)
-    for part in _PARTS:
+    for part in _BAR_PARTS:
+        if part not in _PARTS and not any(budgets[k].get(part) for k in labels):
+            continue
         vals = [budgets[k].get(part, 0.0) / GB for k in labels]
-        ax.bar(labels, vals, bottom=bottom, label=part, color=_COLORS[part])
+        ax.bar(labels, vals, bottom=bottom, label=_LABELS.get(part, part), color=_COLORS[part])
         bottom = [b + v for b, v in zip(bottom, vals)]
     if gpu_gb:
         ax.axhline(gpu_gb, color="k", ls="--", lw=1)
-        ax.text(len(labels) - 0.5, gpu_gb, f" {gpu_gb:g} GB GPU", va="bottom", ha="right")
+        ax.text(len(labels) - 0.5, gpu_gb, f" {gpu_gb:g} GB {gpu_label}", va="bottom",
+                ha="right")
     ax.set_ylabel("GB per GPU")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never on them
     ax.tick_params(axis="x", labelsize=10)  # long budget names side by side
