@@ -81,6 +81,20 @@ def _no_zero_grad_step(model, opt, x, y):  # gradients pile up across steps
     return float(loss.detach())
 
 
+def _right_step_calling(average_gradients):
+    """The solution's dp_step, calling a wrong average_gradients (exercise 1 not done)."""
+    def dp_step(model, opt, x, y):
+        r, p = rank_info().rank, rank_info().world_size
+        b = x.size(0) // p
+        opt.zero_grad()
+        loss = model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])[1]
+        loss.backward()
+        average_gradients(model)
+        opt.step()
+        return float(loss.detach())
+    return dp_step
+
+
 def _two_rows(model, opt, x, y):  # a slice width hard-coded from the 3-rank run
     r = rank_info().rank
     opt.zero_grad()
@@ -209,6 +223,8 @@ class TestChapter02(ChapterChecks):
               says="before the step"),
         Wrong("dp_step", _returns_none, "returns None", says="should return this rank's loss"),
         Wrong("dp_step", _no_average_step, "never averages", says="average, then step"),
+        Wrong("dp_step", _right_step_calling(_sum_only), "a right step, exercise 1 wrong",
+              says="dp_step calls your average_gradients, which is not right yet.*divide"),
         Wrong("dp_step", _whole_batch_step, "every rank repeats the whole batch", says="own slice"),
         Wrong("dp_step", _no_zero_grad_step, "gradients pile up across steps",
               says="Zero the gradients"),

@@ -174,6 +174,22 @@ def _loss_broadcast(stage, x, y):
     return loss
 
 
+def _tied_exchanged(stage, x, y):
+    """Reads "exactly as the unsplit model's backward would" literally: the first and the
+    last stage swap their parts of the tied weight's gradient and add them."""
+    loss = _pipeline(stage, x, y)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    w = stage.wte.weight if stage.first else stage.lm_head.weight if stage.last else None
+    if w is not None:
+        other = torch.empty_like(w.grad)
+        peer = p - 1 if rank == 0 else 0
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, w.grad.clone(), peer),
+                                            dist.P2POp(dist.irecv, other, peer)]):
+            work.wait()
+        w.grad += other
+    return loss
+
+
 def _course_executor(stage, x, y):  # the chapter's executor, one line
     from helpers.pipeline import gpipe
     from helpers.pipeline.executor import pipeline_step
@@ -214,6 +230,8 @@ class TestChapter11(ChapterChecks):
               says=r"rank 2 sent .*4 B to rank 0"),
         Wrong("run_stage", _loss_broadcast, "the loss broadcast to every rank",
               says=r"called \['broadcast'\]"),
+        Wrong("run_stage", _tied_exchanged, "the tied weight's gradient exchanged",
+              says="tied embedding's gradient: leave each copy's part"),
         Wrong("run_stage", _course_executor, "the course's pipeline_step",
               says="course's own answer"),
     ]

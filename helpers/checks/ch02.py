@@ -248,11 +248,39 @@ def check_dp_step(dp_step) -> None:
     if not callable(dp_step):
         raise CheckFailed(f"dp_step should be a function, got {dp_step!r}")
     for world in WORLDS:
-        results = on_ranks(_ranked_training, world, dp_step, what="dp_step",
-                           probe=lambda: _probe_step(dp_step))
-        _compare_training(results, world)
+        try:
+            results = on_ranks(_ranked_training, world, dp_step, what="dp_step",
+                               probe=lambda: _probe_step(dp_step))
+            _compare_training(results, world)
+        except CheckFailed:
+            _check_average_gradients_used(dp_step)   # the cause may be exercise 1
+            raise
     passed(f"{STEPS} naive-DP steps on {' and '.join(map(str, WORLDS))} ranks match one "
            f"process on the global batch (weights and every step's local loss)")
+
+
+def _check_average_gradients_used(dp_step) -> None:
+    """dp_step failed and calls the learner's exercise 1 (``average_gradients`` from the
+    notebook): if that is what is wrong, say so, instead of hints about dp_step's lines."""
+    import contextlib
+    import io
+
+    code = getattr(dp_step, "__code__", None)
+    if code is None:
+        return
+    avg = None
+    if "average_gradients" in code.co_names:          # a notebook's global
+        avg = dp_step.__globals__.get("average_gradients")
+    elif "average_gradients" in code.co_freevars:     # a closure's
+        avg = dp_step.__closure__[code.co_freevars.index("average_gradients")].cell_contents
+    if not callable(avg):
+        return
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            check_average_gradients(avg)
+    except CheckFailed as exc:
+        raise CheckFailed(f"dp_step calls your average_gradients, which is not right yet "
+                          f"(exercise 1): {exc}") from None
 
 
 def _compare_training(results: list, world: int) -> None:

@@ -191,12 +191,16 @@ def check_run_stage(run_stage, timeout: float = 30.0) -> None:
 def _check_messages(results: list, world: int) -> None:
     """Every rank sent exactly its pipeline messages and called no collective."""
     for r, (_, _, sent, collectives, nbytes) in enumerate(results):
+        tied = (" If it is the tied embedding's gradient: leave each copy's part in its "
+                ".grad (the first and the last stage each keep the part from their own use; "
+                "the check adds them, as sync_tied_grads does after a training step)."
+                if r in (0, world - 1) else "")
         if collectives:
             raise CheckFailed(f"{world} stages: rank {r} called {sorted(set(collectives))}; a "
                               f"pipeline stage talks to its neighbours only, by point-to-point "
                               f"messages (one activation forward, one gradient back). The "
                               f"numbers may be right, but that moves data every rank does not "
-                              f"need")
+                              f"need.{tied}")
         want = ([(r + 1, nbytes)] if r < world - 1 else []) + \
                ([(r - 1, nbytes)] if r > 0 else [])
         if sorted(sent) != sorted(want):
@@ -205,7 +209,7 @@ def _check_messages(results: list, world: int) -> None:
             raise CheckFailed(f"{world} stages: rank {r} sent {shown}; a stage sends exactly "
                               f"{expect}: its output activation to the next stage and the "
                               f"gradient of its input to the previous one, (B, T, C) float32 "
-                              f"each, and nothing else")
+                              f"each, and nothing else.{tied}")
 
 
 def _compare_stage_loop(results: list, world: int, n_layer: int) -> float:
