@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from helpers import launch  # noqa: E402
 from helpers.drawing.pipeline_messages import (draw_pipeline_messages,  # noqa: E402
                                                pipeline_messages)
-from helpers.pipeline import F, gpipe, one_f_one_b  # noqa: E402
+from helpers.pipeline import B, F, gpipe, one_f_one_b  # noqa: E402
 
 
 def _step_with_messages(kind, m):
@@ -61,3 +61,18 @@ def test_a_send_outside_the_pipeline_is_refused():
     timeline = [[(0.0, 1.0, F(0))], [(1.0, 2.0, F(0))]]
     with pytest.raises(ValueError, match="outside a pipeline of 2"):
         pipeline_messages(timeline, [[(5, 8)], []])
+
+
+def test_no_message_arrives_before_it_was_sent():
+    # 2 stages, 1 micro-batch, then the tied gradient both ways: rank 0 finishes its
+    # backward at 4, rank 1 at 3; the exchange is drawn at 4 on both arrows, and the two
+    # labels of the tied gradient sit apart
+    timeline = [[(0.0, 1.0, F(0)), (3.0, 4.0, B(0))], [(1.0, 2.0, F(0)), (2.0, 3.0, B(0))]]
+    sends = [[(1, 100), (1, 8)], [(0, 100), (0, 8)]]
+    fig, data = draw_pipeline_messages(timeline, sends, unit=1.0)
+    assert [m[3] for m in data["messages"]] == ["F0", "after", "B0", "after"]
+    assert all(x1 >= x0 for x0, x1 in data["arrows"])
+    assert data["arrows"][1] == data["arrows"][3] == (4.0, 4.0)
+    labels = [(t.get_position(), t.get_text()) for t in fig.axes[0].texts
+              if t.get_text() == " 8 B"]
+    assert len(labels) == 2 and labels[0][0] != labels[1][0]

@@ -10,7 +10,10 @@ activation of its k-th forward, F(j), and feeds F(j) on rank r + 1; the k-th it 
 to r - 1 is the input gradient of its k-th backward, B(j), and feeds B(j) there.
 A message sent once every action has its own is sent after the step's computation:
 the tied weight's gradient, which the first and last stages exchange and add
-(``helpers.pipeline.executor.sync_tied_grads``); it is drawn after the last action.
+(``helpers.pipeline.executor.sync_tied_grads``). Both ranks post that exchange
+together once each has finished its actions, so it completes no earlier than the later
+of the two: it is drawn there, a vertical arrow at the later rank's last end, its label
+beside its sender, never as an arrow that arrives before it was sent.
 
 ``draw_pipeline_messages`` draws the executed actions as a Gantt chart (forward blue,
 backward orange, as ``helpers.pipeline.gantt``) and every message as an arrow from the
@@ -58,7 +61,8 @@ def pipeline_messages(timelines: list[list[tuple]], sends: list[list[tuple]]
 def draw_pipeline_messages(timelines: list[list[tuple]], sends: list[list[tuple]], *,
                            title: str | None = None, unit: float = 1e3, unit_name: str = "ms"):
     """The Gantt chart of the executed actions and an arrow per message (see the module
-    docstring); returns ``(fig, pipeline_messages(timelines, sends))``."""
+    docstring); returns ``(fig, data)``: ``pipeline_messages(timelines, sends)`` and
+    ``data["arrows"]``, each message's (sent, arrived) in the picture's time unit."""
     import matplotlib.pyplot as plt
 
     from helpers.pipeline.simulate import gantt
@@ -70,18 +74,23 @@ def draw_pipeline_messages(timelines: list[list[tuple]], sends: list[list[tuple]
     gantt(shifted, ax=ax, title=title or "")
     where = {(r, name): (s, e) for r, row in enumerate(data["actions"])
              for s, e, name in row}
+    arrows = []
     for src, dst, nbytes, made_by, feeds in data["messages"]:
-        if made_by == "after":   # after every action: from each rank's last action's end
-            end, start = data["actions"][src][-1][1], data["actions"][dst][-1][1]
+        if made_by == "after":   # exchanged once both ranks are done: the later one's end
+            end = start = max(data["actions"][src][-1][1], data["actions"][dst][-1][1])
+            label_y = src + (0.3 if dst > src else -0.3)     # beside the sender: no overlap
         else:
             _, end = where[(src, made_by)]
             start, _ = where[(dst, feeds)]
+            label_y = (src + dst) / 2
         x0, x1 = (end - t0) * unit, (start - t0) * unit
+        arrows.append((x0, x1))
         ax.annotate("", xy=(x1, dst), xytext=(x0, src),
                     arrowprops=dict(arrowstyle="-|>", color=rank_color(src), lw=1.2,
                                     shrinkA=0, shrinkB=6))
-        ax.text((x0 + x1) / 2, (src + dst) / 2, f" {nbytes:,} B", fontsize=6,
+        ax.text((x0 + x1) / 2, label_y, f" {nbytes:,} B", fontsize=6,
                 color=rank_color(src), va="center")
+    data["arrows"] = arrows
     ax.set_xlabel(unit_name)
     fig.tight_layout()
     return fig, data
