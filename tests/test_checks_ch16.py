@@ -148,6 +148,50 @@ def _topk_dense_gather(ratio):
     return hook
 
 
+def _no_root_prefetch(fsdp, i, phase):  # skips the root's call (i = -1): block 0 never prefetched
+    j = i + 1 if phase == "forward" else i - 1
+    if i >= 0 and 0 <= j < len(fsdp.units):
+        fsdp.gather_async(fsdp.units[j])
+
+
+def _pairs_only(spans):  # inclusion-exclusion stopped at pairs: sum minus pairwise overlaps
+    total = sum(b - a for a, b in spans)
+    for i, (a, b) in enumerate(spans):
+        for c, d in spans[i + 1:]:
+            total -= max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def _topk_shared_error(ratio):
+    """The solution with one error tensor for the hook, not one per bucket: bucket 2's
+    message carries what bucket 1 left out (its own error goes to bucket 1 next)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    state = {"error": None}
+
+    def hook(flat, group=None):
+        n = dist.get_world_size(group)
+        acc = flat + state["error"] if state["error"] is not None else flat.clone()
+        idx = acc.abs().topk(math.ceil(ratio * acc.numel())).indices
+        vals = acc[idx]
+        state["error"] = acc.index_fill(0, idx, 0.0)
+        all_idx = [torch.empty_like(idx) for _ in range(n)]
+        all_vals = [torch.empty_like(vals) for _ in range(n)]
+        dist.all_gather(all_idx, idx, group=group)
+        dist.all_gather(all_vals, vals, group=group)
+        out = torch.zeros_like(flat)
+        for i, v in zip(all_idx, all_vals):
+            out.index_add_(0, i, v)
+        fut = torch.futures.Future()
+        fut.set_result(flat.copy_(out / n))
+        return fut
+
+    return hook
+
+
 class TestChapter16(ChapterChecks):
     lab, sol = "labs/16_comm_overlap_lab.ipynb", "solutions/16_comm_overlap_solution.ipynb"
     checks = {
@@ -191,6 +235,12 @@ class TestChapter16(ChapterChecks):
               says="switched off in this check"),
         Wrong("union_length", _course_union, "helpers.overlap.union_length called",
               says="switched off in this check"),
+        Wrong("prefetch", _no_root_prefetch, "skips the root's prefetch (i = -1)",
+              says="i = -1"),
+        Wrong("union_length", _pairs_only, "inclusion-exclusion stopped at pairs",
+              says="stopped at pairs"),
+        Wrong("topk_ef_hook", _topk_shared_error, "one error tensor shared by all buckets",
+              says="per bucket"),
         Wrong("topk_ef_hook", _course_topk, "the course's TopKHook returned",
               says="switched off in this check"),
     ]
