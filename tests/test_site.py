@@ -179,6 +179,18 @@ def test_staging_links_a_chapter_with_its_lab_and_solution_and_back():
     assert "(../labs/21_moe_lab.ipynb)" in solution.cells[0].source
 
 
+
+def test_a_chapter_links_the_module_that_defines_what_it_imports_from_a_package():
+    """``from helpers.fsdp import FSDP`` links the package's page (its docstring says how
+    it is cut) and the page of ``helpers.fsdp.wrap``, where FSDP is documented."""
+    chapter = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from helpers.ddp import assign_buckets\n"
+        "from helpers.fsdp import (FSDP,\n    hybrid_grid)\nimport helpers.model")])
+    found = build.chapter_modules(chapter, set(build.helpers_modules()))
+    assert found == ["helpers.ddp", "helpers.ddp.buckets", "helpers.fsdp", "helpers.fsdp.hybrid",
+                     "helpers.fsdp.wrap", "helpers.model"]
+    assert build.reexports("helpers.model") == {}  # a module, not a package
+
 # Over 15 s by design: the whole site is built once (sphinx over every notebook and a page
 # per helpers module, make site's own work), and every test of this file reads it.
 @pytest.fixture(scope="session")

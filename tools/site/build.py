@@ -13,7 +13,8 @@ staged copy only.
   its lab and its solution, then the course's notes, then the helpers API;
 * ``course/``: the chapters, each opening with links to its lab and solution
   and ending with links to the API pages of the helpers modules it imports
-  (read from its ``from helpers... import`` lines);
+  (read from its ``from helpers... import`` lines; a name a package re-exports
+  links the page of the module that defines it as well);
 * ``labs/``: the labs as a learner gets them (stubs, no outputs), each opening
   with a link to its chapter and its solution;
 * ``solutions/``: the solved labs with each answer cell folded (myst-nb's
@@ -35,6 +36,7 @@ staged copy only.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import importlib.util
 import io
@@ -81,9 +83,25 @@ def helpers_modules() -> list[str]:
     return sorted(names)
 
 
+def reexports(package: str) -> dict[str, str]:
+    """The names a helpers package's ``__init__`` imports from its own modules, with
+    the module each comes from (``{"FSDP": "helpers.fsdp.wrap", ...}``), read
+    without importing it. A module that is not a package re-exports nothing."""
+    init = ROOT.joinpath(*package.split("."), "__init__.py")
+    if not init.is_file():
+        return {}
+    out = {}
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 \
+                and (node.module or "").startswith(package + "."):
+            out.update({a.asname or a.name: node.module for a in node.names})
+    return out
+
+
 def chapter_modules(nb: nbformat.NotebookNode, modules: set[str]) -> list[str]:
     """The helpers modules a notebook imports (``from helpers.x import y`` counts
-    helpers.x.y when y is itself a module)."""
+    helpers.x.y when y is itself a module, and the module of helpers.x that
+    defines y when the package helpers.x re-exports it: its page documents y)."""
     found = set()
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -94,6 +112,8 @@ def chapter_modules(nb: nbformat.NotebookNode, modules: set[str]) -> list[str]:
             for name in re.findall(r"\w+", names):
                 if f"{module}.{name}" in modules:
                     found.add(f"{module}.{name}")
+                elif name in (defined := reexports(module)):
+                    found.add(defined[name])
     found.discard("helpers")  # the package page is only its docstring; name what is used
     return sorted(found & modules)
 
