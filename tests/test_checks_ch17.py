@@ -45,6 +45,34 @@ def _restore_without_numpy(state, sampler):
     random.setstate(state["python"])
 
 
+def _capture_step_only(sampler):  # the sampler's step saved, its epoch not
+    state = _capture_all(sampler)
+    state["sampler"] = {"step": sampler.step}
+    return state
+
+
+def _restore_step_only(state, sampler):  # sets the step back; the epoch stays at 0
+    sampler.step = state["sampler"]["step"]
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    _restore_numpy(state)
+
+
+def _capture_no_gauss(sampler):  # NumPy's key and position, without has_gauss / cached
+    kind, keys, pos, _, _ = np.random.get_state()
+    return {"sampler": sampler.state_dict(), "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos)}
+
+
+def _restore_no_gauss(state, sampler):  # set_state with three parts: no cached Gaussian
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos))
+
+
 def _course_interval(cost, mtbf):   # the chapter's own function
     from helpers.checkpoint.failures import young_interval
     return young_interval(cost, mtbf)
@@ -296,6 +324,12 @@ class TestChapter17(ChapterChecks):
         Wrong("resume_extras", {"capture_extras": _capture_all,
                                 "restore_extras": _restore_without_numpy},
               "forgets NumPy's RNG", says="NumPy"),
+        Wrong("resume_extras", {"capture_extras": _capture_step_only,
+                                "restore_extras": _restore_step_only},
+              "the sampler's epoch not saved or restored", says="epoch"),
+        Wrong("resume_extras", {"capture_extras": _capture_no_gauss,
+                                "restore_extras": _restore_no_gauss},
+              "NumPy's state without its cached Gaussian", says="cached_gaussian"),
         Wrong("optimal_interval", lambda c, m: math.sqrt(c * m), "the 2 forgotten",
               says="optimal_interval"),
         Wrong("optimal_interval", lambda c, m: math.sqrt(c * m / 2),

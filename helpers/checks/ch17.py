@@ -35,17 +35,31 @@ def _advance(sampler, n: int) -> None:
 
 def _draws() -> tuple:
     import numpy as np
-    return torch.rand(4), random.random(), float(np.random.rand())
+    return torch.rand(4), random.random(), float(np.random.rand()), float(np.random.randn())
+
+
+# The in-process cases: (batches drawn before the capture, NumPy Gaussians drawn before it).
+# The sampler (128 samples, 4 a rank, 2 ranks) has 16 steps an epoch: 3 stays in epoch 0,
+# 19 is step 3 of epoch 1, where the same step of epoch 0 is another batch. NumPy's legacy
+# randn makes Gaussians in pairs and keeps the second (get_state()'s has_gauss and
+# cached_gaussian): after an odd number of draws the next one comes from that cache.
+_EXTRAS_CASES = ((3, 0), (19, 1))
 
 
 def _in_process(capture, restore) -> None:
     """The two functions on one process: each stream and the position, one at a time."""
+    for batches, gaussians in _EXTRAS_CASES:
+        _in_process_case(capture, restore, batches, gaussians)
+
+
+def _in_process_case(capture, restore, batches: int, gaussians: int) -> None:
     import numpy as np
 
     from helpers.data import ShardedSampler
     sampler = ShardedSampler(128, 4, rank=0, world_size=2, seed=1)
-    _advance(sampler, 3)
+    _advance(sampler, batches)
     torch.manual_seed(11); random.seed(11); np.random.seed(11)  # noqa: E702
+    np.random.randn(gaussians)
     with refusing(exercise="capture/restore", paths=_RNG_HELPERS):
         state = attempt(capture, sampler, what="capture_extras")
     if not isinstance(state, dict):
@@ -57,18 +71,34 @@ def _in_process(capture, restore) -> None:
     with refusing(exercise="capture/restore", paths=_RNG_HELPERS):
         attempt(restore, state, fresh, what="restore_extras")
     got_draws, got_batch = _draws(), next(fresh)
-    names = ("torch (dropout masks)", "Python's random", "NumPy's")
+    where = (f" (captured after {batches} batches and {gaussians} np.random.randn "
+             f"draw{'s' * (gaussians != 1)})")
+    names = ("torch (dropout masks)", "Python's random", "NumPy's", "NumPy's Gaussian")
     for name, want, got in zip(names, want_draws, got_draws):
         same = torch.equal(want, got) if isinstance(want, torch.Tensor) else want == got
-        if not same:
-            raise CheckFailed(f"after restore_extras, the {name} generator gave other numbers "
-                              f"than at capture time: save its state and set it back")
+        if same:
+            continue
+        if name == "NumPy's Gaussian":  # the uniform draw before it matched
+            raise CheckFailed(
+                f"after restore_extras NumPy's uniform draws match but its Gaussian does "
+                f"not{where}: randn makes Gaussians in pairs and keeps the second for the "
+                f"next call, in the last two parts of np.random.get_state() (has_gauss, "
+                f"cached_gaussian). Save all five parts and set them all back")
+        raise CheckFailed(f"after restore_extras, the {name} generator gave other numbers "
+                          f"than at capture time{where}: save its state and set it back")
     if not torch.equal(want_batch, got_batch):
-        hint = (" The restored sampler gave the first batch of the epoch: it restarted "
-                "from the beginning instead of the saved step." if torch.equal(
-                    got_batch, next(iter(ShardedSampler(128, 4, 0, 2, seed=1)))) else "")
+        if torch.equal(got_batch, next(iter(ShardedSampler(128, 4, 0, 2, seed=1)))):
+            hint = (" The restored sampler gave the first batch of the epoch: it restarted "
+                    "from the beginning instead of the saved step.")
+        elif fresh.epoch != sampler.epoch:
+            hint = (f" The restored sampler drew from epoch {fresh.epoch}, the saved one was "
+                    f"in epoch {sampler.epoch} (each epoch has its own order): save and "
+                    f"restore the epoch with the step (sampler.state_dict() holds both).")
+        else:
+            hint = ""
         raise CheckFailed(f"after restore_extras the sampler's next batch is "
-                          f"{got_batch.tolist()}, it should be {want_batch.tolist()}.{hint}")
+                          f"{got_batch.tolist()}, it should be {want_batch.tolist()}"
+                          f"{where}.{hint}")
 
 
 def _bitwise(directory: str, capture, restore) -> dict:
@@ -101,10 +131,13 @@ def check_resume_extras(capture, restore) -> None:
     """``capture(sampler) -> dict`` and ``restore(state, sampler)``: a resumed run on 2
     ranks must end with exactly the weights of an uninterrupted one.
 
-    First in this process, one stream at a time (each named on failure), then bitwise on
-    2 ranks with dropout on. Catches: torch's generator not saved or not restored (dropout
-    masks), Python's or NumPy's generator forgotten, the sampler restarted at the
-    beginning of the epoch, a state that ``torch.load(weights_only=True)`` refuses (a
+    First in this process, one stream at a time (each named on failure), twice: after 3
+    batches, and in epoch 1 with one NumPy Gaussian drawn (``_EXTRAS_CASES``); then bitwise
+    on 2 ranks with dropout on. Catches: torch's generator not saved or not restored
+    (dropout masks), Python's or NumPy's generator forgotten, NumPy's state without its
+    cached Gaussian (the epoch-1 case, named), the sampler restarted at the beginning of
+    the epoch, the sampler's step restored but not its epoch (the epoch-1 case, named), a
+    state that ``torch.load(weights_only=True)`` refuses (a
     NumPy array, with advice), a non-dict from capture, and any exception from the
     learner's code (as a CheckFailed naming the function); the course's ``rng_state`` /
     ``set_rng_state`` called instead of written: switched off while they run."""
@@ -128,8 +161,9 @@ def check_resume_extras(capture, restore) -> None:
                               f"without interruption: the dropout masks differ")
     if not r["same"]:
         raise CheckFailed("the final weights differ from the uninterrupted run's")
-    passed("a run stopped at step 3 and resumed with your functions ends bitwise equal to "
-           "one that never stopped (2 ranks, dropout 0.1)")
+    passed("each generator (NumPy's cached Gaussian too) and the sampler's epoch and step come "
+           "back in this process; a run stopped at step 3 and resumed with your functions "
+           "ends bitwise equal to one that never stopped (2 ranks, dropout 0.1)")
 
 
 def check_optimal_interval(optimal_interval) -> None:
