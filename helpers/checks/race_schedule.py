@@ -19,14 +19,9 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["RaceSchedule", "COLLECTIVES", "PARKED", "SETTLE_S"]
+__all__ = ["RaceSchedule", "PARKED", "SETTLE_S"]
 
 SETTLE_S = 10.0   # a rank that neither returns nor blocks by then is let be (its own bug)
-COLLECTIVES = ("barrier", "monitored_barrier", "all_gather_object", "gather_object",
-               "broadcast_object_list", "scatter_object_list", "all_reduce", "all_gather",
-               "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
-               "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
-               "reduce_scatter_single", "all_to_all", "all_to_all_single", "recv")
 
 
 class RaceSchedule:
@@ -91,26 +86,26 @@ class RaceSchedule:
                 return
             time.sleep(0.005)
 
-    def collective(self, name, real):
-        import inspect
-        sig = inspect.signature(real)
+    def before(self, call) -> None:
+        """The wire's observer (``helpers.launch.wire``): see ``post``."""
 
-        def wrapped(*args, **kwargs):
-            group = sig.bind_partial(*args, **kwargs).arguments.get("group")
-            ranks = (list(range(self.world)) if group is None
-                     else dist.get_process_group_ranks(group))
-            key = ",".join(map(str, ranks))
-            self.depth += 1
-            if self.depth == 1:
-                self.counts[key] = self.counts.get(key, 0) + 1
-                self.publish("blocked", key)
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.depth -= 1
-                if self.depth == 0:
-                    self.publish("running")
-        return wrapped
+    def post(self, call, post):
+        """A blocking collective or receive, however spelled: this rank is "blocked" in
+        the group's collective (counted per group, so others can tell whether a member
+        they need has entered it) until it completes. Asynchronous calls and sends do
+        not block the rank, so they are posted as they are."""
+        from helpers.launch import wire
+
+        if call.async_op or call.op == "send":
+            return post()
+        key = ",".join(map(str, call.ranks))
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.publish("blocked", key)
+        try:
+            post().wait()
+        finally:
+            self.publish("running")
+        return wire.work(lambda: None, lambda: True)
 
 
 # where a rank that creates a directory or renames lets the others be: returned, raised,

@@ -202,23 +202,6 @@ class _Stream:
             self.jobs.get()()
 
 
-def _work(wait: Callable[[], None], done: Callable[[], bool]):
-    """A torch Work whose wait() runs ``wait`` (and raises what it raises)."""
-    from torch._C._distributed_c10d import Work
-
-    class RulesWork(Work):
-        def wait(self, timeout=None):  # noqa: ARG002 - Work's signature
-            wait()
-            return True
-
-        def is_completed(self):
-            return done()
-
-        def is_success(self):
-            return done()
-    return RulesWork()
-
-
 class _Rules:
     """One rank's view (the wire's observer): which communicators exist, which groups
     are gloo's own, each pair's stream."""
@@ -333,7 +316,7 @@ class _Rules:
             while works:
                 works[0].wait()
                 works.pop(0)
-        return _work(wait, lambda: all(w.is_completed() for w in works))
+        return wire.work(wait, lambda: all(w.is_completed() for w in works))
 
     def _post_lone(self, call: wire.Call, post: Callable):
         """Rule 8: on the pair's stream, in posting order; a send goes out once the
@@ -368,7 +351,7 @@ class _Rules:
             except BaseException as exc:  # noqa: BLE001 - reported by wait()
                 future.set_exception(exc)
         stream.submit(run)
-        return _work(future.wait, future.done)
+        return wire.work(future.wait, future.done)
 
     # -- meeting other ranks ------------------------------------------------------
     def _event(self, *event) -> None:

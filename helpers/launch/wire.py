@@ -101,6 +101,8 @@ class Call:
     group_peer: int | None = None    # the same, as the group numbers it
     batch: list | None = None        # the P2POps of the batch_isend_irecv it is part of
     index: int = 0                   # its place in that batch
+    async_op: bool = False           # the caller goes on before it completes (isend, irecv,
+                                     # a batch, async_op=True)
 
     @property
     def batched(self) -> bool:
@@ -217,10 +219,11 @@ def _ranks_of(group) -> tuple[int, ...]:
 
 
 def _describe(group, method: str, op: str, args: list, frame) -> Call:
-    api, batch, index = _caller(frame)
+    api, batch, index, async_op = _caller(frame)
     ranks = _ranks_of(group)
     call = Call(op=op, api=api or op, method=method, group=group, ranks=ranks, args=args,
-                batch=batch, index=index)
+                batch=batch, index=index,
+                async_op=bool(async_op) or api in ("isend", "irecv", "batch_isend_irecv"))
     if method in ("send", "recv"):
         local = args[1]
         call.group_peer = local
@@ -256,11 +259,12 @@ def _kind(filename: str) -> str | None:
     return kind
 
 
-def _caller(frame) -> tuple[str | None, list | None, int]:
+def _caller(frame) -> tuple[str | None, list | None, int, bool]:
     """(the outermost distributed_c10d function on the stack above ``frame``, the
-    P2POp list if one of them is batch_isend_irecv, this op's place in it). Torch's
-    own frames are consecutive: the walk stops at the first frame of anyone else."""
-    api, batch, index = None, None, 0
+    P2POp list if one of them is batch_isend_irecv, this op's place in it, whether the
+    outermost call asked for async_op). Torch's own frames are consecutive: the walk
+    stops at the first frame of anyone else."""
+    api, batch, index, async_op = None, None, 0, False
     f = frame
     while f is not None:
         kind = _kind(f.f_code.co_filename)
@@ -268,13 +272,33 @@ def _caller(frame) -> tuple[str | None, list | None, int]:
             break
         if kind == "c10d":
             api = f.f_code.co_name
+            if "async_op" in f.f_code.co_varnames:
+                async_op = f.f_locals.get("async_op", False)
             if api == "batch_isend_irecv":
                 local = f.f_locals
                 batch = list(local.get("p2p_op_list") or [])
                 current = local.get("p2p_op")
                 index = next((i for i, p in enumerate(batch) if p is current), 0)
         f = f.f_back
-    return api, batch, index
+    return api, batch, index, async_op
 
 
-__all__ = ["Call", "OPS", "add", "observing", "original", "install", "see_through"]
+def work(wait: Callable[[], None], done: Callable[[], bool]):
+    """A torch Work whose wait() runs ``wait`` (and raises what it raises), for an
+    observer's ``post`` that hands back a Work of its own."""
+    from torch._C._distributed_c10d import Work
+
+    class ObservedWork(Work):
+        def wait(self, timeout=None):  # noqa: ARG002 - Work's signature
+            wait()
+            return True
+
+        def is_completed(self):
+            return done()
+
+        def is_success(self):
+            return done()
+    return ObservedWork()
+
+
+__all__ = ["Call", "OPS", "add", "observing", "original", "install", "see_through", "work"]
