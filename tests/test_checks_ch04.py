@@ -171,6 +171,26 @@ class _ReduceAgain(BucketedDDP):
             p.grad /= dist.get_world_size()
 
 
+class _OffByOne(BucketedDDP):
+    """Launches the next bucket while it still lacks one gradient (``<= 1`` for ``== 0``)."""
+
+    def launch_ready_buckets(self):
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] <= 1:
+            self.launch_bucket(self.next_bucket)
+            self.next_bucket += 1
+
+
+class _CountsIntoNextBucket(BucketedDDP):
+    """Counts every gradient into the bucket due next, not into its own."""
+
+    def on_grad_ready(self, param):
+        b = min(self.next_bucket, len(self.buckets) - 1)
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.record(b, "ready")
+            self.launch_ready_buckets()
+
+
 class TestChapter04(ChapterChecks):
     lab, sol = "labs/04_ddp_buckets_lab.ipynb", "solutions/04_ddp_buckets_solution.ipynb"
     checks = {
@@ -202,6 +222,10 @@ class TestChapter04(ChapterChecks):
         Wrong("grad_ready_hook", _ReadyTwice, "records ready for every gradient",
               says="once per bucket"),
         Wrong("grad_ready_hook", _LaunchWhenReady, "launches out of order", says="in the order"),
+        Wrong("grad_ready_hook", _OffByOne, "launches a bucket lacking one gradient",
+              says="launched while the gradient.* had not arrived"),
+        Wrong("grad_ready_hook", _CountsIntoNextBucket, "counts gradients into the wrong bucket",
+              says="count each gradient into its own bucket"),
         Wrong("grad_ready_hook", _LaunchAtEnd, "launches at the end of backward",
               says="no overlap"),
         Wrong("grad_ready_hook", _NoCopyBack, "never copies the averages back",

@@ -103,13 +103,16 @@ class _Shuffled(torch.nn.Module):
     ``late`` is registered last (so it sits in bucket 0) but used *first* in
     forward, so its gradient is ready *last*: bucket 0 becomes ready after the
     others. An implementation that launches ready buckets out of order shows up.
+    ``late`` has no bias, so bucket 0 waits for exactly one gradient while the others
+    complete: a launch test off by one (``pending <= 1``) launches it before its
+    gradient arrives (the reducer refuses that, naming it).
     """
 
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Linear(64, 64)
         self.b = torch.nn.Linear(64, 64)
-        self.late = torch.nn.Linear(64, 64)
+        self.late = torch.nn.Linear(64, 64, bias=False)
 
     def forward(self, x):
         return self.a(self.b(self.late(x))).pow(2).mean()
@@ -173,6 +176,9 @@ def check_grad_ready_hook(cls) -> None:
       parameter's shape, or divides again (by p or a fixed 2): gradients differ from
       one process (named);
     * never records 'ready', or records it twice: named;
+    * launches a bucket that still lacks a gradient (``pending <= 1``), or counts a
+      gradient into another bucket than its own: the reducer refuses the launch,
+      naming the parameters that had not arrived;
     * right gradients from extra communication (finish_backward all-reducing the
       ``.grad`` tensors again, or instead of waiting for the buckets): the backward's
       collectives are counted, one all-reduce per bucket (named);

@@ -247,6 +247,8 @@ class BucketedDDP(nn.Module):
         self.futures: list = [None] * len(self.buckets)
         self._n_launched = 0  # launch_bucket's own count, to check the order
         self._locally_used = [True] * len(self.params)
+        self._arrived: set[int] = set()   # ids of parameters whose hook fired (or unused)
+        self._finishing = False           # inside finish_backward: leftovers may go
 
     def _abandon_backward(self) -> None:
         """Forget a backward that failed before finishing (called from forward).
@@ -292,6 +294,7 @@ class BucketedDDP(nn.Module):
             if not self._in_backward:
                 self._begin_backward()
             self._sequence.append(("grad", self._index[id(param)]))
+            self._arrived.add(id(param))
             self.on_grad_ready(param)
 
     def _begin_backward(self) -> None:
@@ -304,6 +307,7 @@ class BucketedDDP(nn.Module):
         unused, self._unused = self._unused, []
         for p in unused:  # found after forward: no gradient will come, mark ready now
             self._sequence.append(("unused", self._index[id(p)]))
+            self._arrived.add(id(p))
             self.on_grad_ready(p)
 
     def on_grad_ready(self, param: nn.Parameter) -> None:
@@ -333,6 +337,14 @@ class BucketedDDP(nn.Module):
                 f"rank (launch_ready_buckets: the next bucket only, while it is complete). "
                 f"Launched in the order gradients arrive, ranks issue their all-reduces in "
                 f"different orders and gloo pairs different buckets (size mismatch, SIGABRT).")
+        missing = [self._index[id(p)] for p, _, _ in self.layout[b] if id(p) not in self._arrived]
+        if missing and not self._finishing:
+            raise RuntimeError(
+                f"bucket {b} launched while the gradient(s) of parameter(s) {missing} "
+                f"(self.params[i]) had not arrived: its all-reduce would send what .grad held "
+                f"before (nothing, or the last step's). Launch a bucket only once every "
+                f"gradient in it is ready (pending[b] == 0), and count each gradient into "
+                f"its own bucket (bucket_of_param[id(param)]).")
         self._n_launched += 1
         flat = self.flat_buffers[b]
         for p, start, end in self.layout[b]:
@@ -356,6 +368,7 @@ class BucketedDDP(nn.Module):
     def _finalize(self) -> None:
         with self._lock:
             try:
+                self._finishing = True   # backward is over: what never arrived never will
                 self.finish_backward()
             finally:
                 self._in_backward = False
