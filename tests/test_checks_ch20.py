@@ -66,6 +66,29 @@ def _h100_hard_coded(model, batch, gpu, topo):
     return _threshold(0.05)(model, batch, H100_80GB, topo)
 
 
+def _gpu_swapped(model, batch, gpu, topo):  # the other 80 GB preset: A100 for H100 and back
+    from helpers.planner import A100_80GB
+    other = A100_80GB if gpu == H100_80GB else H100_80GB
+    return _threshold(0.05)(model, batch, other, topo)
+
+
+def _cluster_swapped(model, batch, gpu, topo):  # the other DGX preset, same node count
+    from helpers.topology import a100_cluster, h100_cluster
+    rebuilt = a100_cluster if "H100" in topo.name else h100_cluster
+    return _threshold(0.05)(model, batch, gpu, rebuilt(topo.nodes))
+
+
+def _h100_cluster_hard_coded(model, batch, gpu, topo):  # h100_cluster(nodes), given GPU
+    from helpers.topology import h100_cluster
+    return _threshold(0.05)(model, batch, gpu, h100_cluster(topo.nodes))
+
+
+def _cluster_from_gpu(model, batch, gpu, topo):  # the GPU's own DGX preset, not the topology
+    from helpers.topology import a100_cluster, h100_cluster
+    cluster = h100_cluster if gpu == H100_80GB else a100_cluster
+    return _threshold(0.05)(model, batch, gpu, cluster(topo.nodes))
+
+
 def _empty_rung_not_skipped(model, batch, gpu, topo):
     rungs = [p for _, p in ladder(model, batch, gpu, topo)]
     fastest = min(p.best.step_time for p in rungs)      # .best of an empty ranking
@@ -175,6 +198,13 @@ class TestChapter20(ChapterChecks):
         Wrong("choose_layout", _threshold(0.10), "10% instead of 5%", says="more than 5% slower"),
         Wrong("choose_layout", _threshold(0.02), "2% instead of 5%", says="lowest rung within 5%"),
         Wrong("choose_layout", _h100_hard_coded, "H100 hard-coded", says="A100s"),
+        Wrong("choose_layout", _gpu_swapped, "the other 80 GB GPU preset", says="the rule's answer for"),
+        Wrong("choose_layout", _cluster_swapped, "the other DGX cluster preset, same nodes",
+              says="the rule's answer for"),
+        Wrong("choose_layout", _h100_cluster_hard_coded, "h100_cluster(nodes) hard-coded",
+              says="the rule's answer for"),
+        Wrong("choose_layout", _cluster_from_gpu, "the GPU's own cluster preset, not the topology",
+              says="the rule's answer for"),
         Wrong("choose_layout", _empty_rung_not_skipped, "a rung where nothing fits not skipped",
               says="choose_layout .*raised"),
         Wrong("choose_layout", _rung_name, "returns the rung's name", says="must return"),

@@ -59,21 +59,43 @@ def check_model_state(model_state_gb) -> None:
     passed("model state per GPU matches helpers.memory on 6 layouts, every ZeRO stage")
 
 
-# (model, global batch, nodes, GPU kind): the budgets choose_layout is tried on, each
-# there for a mistake (the rung ratios are the planner's, printed by the check on failure)
+# (model, global batch, nodes, GPU kind, cluster preset): the budgets choose_layout is tried
+# on, each there for a mistake (the rung ratios are the planner's, printed by the check on
+# failure). The hardware varies apart from the GPU: both GPU presets have 80 GB and both
+# DGX clusters 8 GPUs a node, so only the cases where a GPU meets another cluster than its
+# own DGX preset show a preset swapped or hard-coded for one of the same size.
 LAYOUT_CASES = [
-    # ZeRO-3, TP, PP, CP at 1.30, 1.02, 1.02, 1.00 x the fastest: the rule picks TP, not
+    # ZeRO-3, TP, PP, CP at 1.33, 1.02, 1.02, 1.00 x the fastest: the rule picks TP, not
     # the planner's winner (CP, the fastest rung) nor the first rung that fits (ZeRO-3);
-    # a 2% threshold picks CP
-    ("70B", 1024, 8, "H100"),
+    # a 2% threshold picks CP. (On a100_cluster(8) the rule picks PP 4: the A100 preset
+    # swapped in for the H100 one.)
+    ("70B", 1024, 8, "H100", "h100-ndr"),
     # TP, PP, CP at 1.05, 1.00, 1.00 (nothing fits below TP): the rule picks PP; a 10%
-    # threshold picks TP, which is also the first rung that fits
-    ("70B", 1024, 2, "H100"),
+    # threshold picks TP, which is also the first rung that fits (and the rule's rung
+    # with the A100_80GB preset in place of the H100's)
+    ("70B", 1024, 2, "H100", "h100-ndr"),
     # on A100s the first rung that fits, TP, is within 5% (1.02): a hard-coded H100 misses it
-    ("70B", 256, 2, "A100"),
+    ("70B", 256, 2, "A100", "a100-hdr"),
     # every rung's best is the same ZeRO-1 layout: nothing above the first rung buys time
-    ("7B", 512, 1, "H100"),
+    ("7B", 512, 1, "H100", "h100-ndr"),
+    # H100s on the HDR network: TP, PP, CP at 1.09, 1.02, 1.00, the rule picks PP 4; with
+    # h100_cluster(8)'s NDR (a cluster rebuilt from the node count, or from the GPU) the
+    # rule picks TP 2 (1.02 there), as it does with the A100 GPU preset on this cluster
+    ("70B", 1024, 8, "H100", "h100-hdr"),
+    # A100s in PCIe boxes (one 100 Gb/s NIC a node): ZeRO-3 to PP all 1.14, CP 1.00: the
+    # rule picks CP; on a100_cluster(4) or h100_cluster(4) it picks TP 4, and with the H100
+    # preset on this cluster PP 8
+    ("70B", 1024, 4, "A100", "pcie-eth"),
 ]
+
+
+def _clusters():
+    """The cluster presets the cases name: ``helpers.topology.PRESETS``' three, and the
+    H100 DGX preset on the A100's HDR network."""
+    from helpers.topology import a100_cluster, h100_cluster, pcie_cluster
+    from helpers.topology.links import IB_HDR
+    return {"h100-ndr": h100_cluster, "a100-hdr": a100_cluster, "pcie-eth": pcie_cluster,
+            "h100-hdr": lambda nodes: h100_cluster(nodes, network=IB_HDR)}
 
 
 def _models():
@@ -97,25 +119,31 @@ def check_choose_layout(choose_layout, within: float = 0.05) -> None:
     """``choose_layout(model, global_batch, gpu, topology)`` -> the ``Layout`` of the
     lowest rung of ``ladder`` whose best layout is within 5% of the fastest rung's.
 
-    Mistakes it is built to catch (one case each, ``LAYOUT_CASES``):
+    Mistakes it is built to catch (``LAYOUT_CASES``):
     * the planner's winner (``plan(...).best``, the fastest rung): 70B on 64 H100s;
     * the first rung that fits, whatever its time: 70B on 64 H100s;
     * another threshold (10%: 70B on 16 H100s; 2%: 70B on 64 H100s) or comparing to
       the wrong rung;
-    * a GPU or cluster hard-coded instead of the arguments: 70B on 16 A100s;
+    * the H100 GPU hard-coded instead of the argument: 70B on 16 A100s;
+    * a preset swapped for another of the same size (the other 80 GB GPU; another 8-GPU
+      cluster preset rebuilt from ``topology.nodes``, or from the GPU's kind): the H100s
+      on HDR and the A100s in PCIe boxes, where GPU and cluster are not a DGX pair; named
+      with the hardware whose answer it is;
     * a rung where nothing fits not skipped (``p.best`` of an empty ranking raises);
     * not a ``Layout`` (a rung name, a Candidate)."""
     from helpers.planner import A100_80GB, H100_80GB, Layout, evaluate, ladder
-    from helpers.topology import a100_cluster, h100_cluster
 
-    models = _models()
-    kinds = {"H100": (H100_80GB, h100_cluster), "A100": (A100_80GB, a100_cluster)}
-    for name, batch, nodes, kind in LAYOUT_CASES:
-        gpu, cluster = kinds[kind]
-        model, topo = models[name], cluster(nodes)
-        case = f"{name} on {topo.world_size} {kind}s, global batch {batch}"
+    models, clusters = _models(), _clusters()
+    gpus = {"H100": H100_80GB, "A100": A100_80GB}
+
+    def rule(model, batch, gpu, topo):
         rungs = [(r, p.best if p.ranked else None) for r, p in ladder(model, batch, gpu, topo)]
-        want = lowest_rung_within(rungs, within)
+        return rungs, lowest_rung_within(rungs, within)
+
+    for name, batch, nodes, kind, preset in LAYOUT_CASES:
+        gpu, model, topo = gpus[kind], models[name], clusters[preset](nodes)
+        case = f"{name} on {topo.world_size} {kind}s ({preset}), global batch {batch}"
+        rungs, want = rule(model, batch, gpu, topo)
         with refusing(exercise="choose_layout", paths=_RULE_HELPERS):
             lay = attempt(choose_layout, model, batch, gpu, topo, what=f"choose_layout ({case})")
         if not isinstance(lay, Layout):
@@ -127,23 +155,43 @@ def check_choose_layout(choose_layout, within: float = 0.05) -> None:
         table = "; ".join(f"{r.split(' (')[0]}: " + ("nothing fits" if b is None else
                           f"{b.step_time / fastest:.3f}") for r, b in rungs)
         first = next(i for i, (_, b) in enumerate(rungs) if b is not None)
-        why = ""
+        whys = []   # every explanation that gives exactly this layout
         if lay == min((b for _, b in rungs if b is not None), key=lambda b: b.step_time).layout:
-            why = ("that is the fastest rung's layout (the planner's winner); the rule takes "
-                   "the lowest rung within 5% of it")
-        elif lay == rungs[first][1].layout:
-            why = "that is the first rung that fits, but it is more than 5% slower than the fastest"
-        elif any(b is not None and lay == b.layout for _, b in rungs):
-            why = "that is another rung's best: is the threshold 5% of the fastest rung's time?"
-        else:
+            whys.append("that is the fastest rung's layout (the planner's winner); the rule "
+                        "takes the lowest rung within 5% of it")
+        if lay == rungs[first][1].layout:
+            whys.append("that is the first rung that fits, but it is more than 5% slower "
+                        "than the fastest")
+        # the same rule on the other presets of the same size: the other 80 GB GPU on this
+        # cluster, this GPU on every other cluster preset with these nodes
+        others = [(f"{k}s ({g.name}) on this cluster", g, topo)
+                  for k, g in gpus.items() if k != kind]
+        others += [(f"{kind}s on the {c} preset with {nodes} nodes", gpu, make(nodes))
+                   for c, make in clusters.items() if c != preset]
+        swapped = []
+        for what, g, t in others:
+            alt_rungs, alt = rule(model, batch, g, t)
+            if lay == alt_rungs[alt][1].layout:
+                swapped.append(what)
+        if swapped:
+            whys.append(f"that is the rule's answer for {' and for '.join(swapped)}, not for "
+                        f"the hardware given ({gpu.name} on {topo.name}): pass choose_layout's "
+                        f"gpu and topology to ladder as they are, without swapping or rebuilding "
+                        f"a preset")
+        if not whys and any(b is not None and lay == b.layout for _, b in rungs):
+            whys.append("that is another rung's best: is the threshold 5% of the fastest "
+                        "rung's time?")
+        elif not whys:
             e = evaluate(model, lay, batch, gpu, topo)
-            why = (f"it is not feasible: {e.reason}" if not e.feasible else
-                   "it is no rung's best layout: return that rung's plan.best.layout")
+            whys.append(f"it is not feasible: {e.reason}" if not e.feasible else
+                        "it is no rung's best layout: return that rung's plan.best.layout")
+        why = "; or ".join(whys)
         raise CheckFailed(f"{case}: got {lay.short()}, expected {rungs[want][1].layout.short()} "
-                          f"(rung '{rungs[want][0]}'). Step time / fastest by rung: {table}"
-                          + (f". {why}" if why else ""))
+                          f"(rung '{rungs[want][0]}'). Step time / fastest by rung: {table}. "
+                          f"{why[0].upper()}{why[1:]}")
     passed(f"choose_layout picks the lowest rung within {within:.0%} of the fastest on "
-           f"{len(LAYOUT_CASES)} budgets (H100 and A100, 7B and 70B)")
+           f"{len(LAYOUT_CASES)} budgets (7B and 70B; H100 and A100 GPUs on their own DGX "
+           f"clusters, on another network and in PCIe boxes)")
 
 
 # (mesh dims slowest first, sizes): each separates the C-order rule from a near miss
