@@ -99,6 +99,44 @@ _last_rank_slow = _rule(lambda p: p.compute[-1] - p.compute[0], _real_costs)
 _wait_in_comm = _rule(lambda p: max(p.comm) - min(p.comm), _real_costs)
 
 
+# The rules as separate tests, to apply in any order: each returns its label or None.
+_TESTS = {
+    "memory": lambda p: "memory-bound" if p.mem_frac >= 0.9 else None,
+    "straggler": lambda p: "straggler-bound" if _spread(p) > _real_costs(p) else None,
+    "input": lambda p: "input-bound" if _largest(p) == "data" else None,
+    "all-reduce": lambda p: "all-reduce-bound" if _largest(p) == "comm" else None,
+    "compute": lambda p: "compute-bound" if _largest(p) == "compute" else None,
+}
+
+
+def _largest(p):
+    return max(("data", "compute", "comm"), key=p.mean)
+
+
+def _in_order(*names):
+    """The right rules, tested in the order ``names`` (then any left, in _TESTS' order)."""
+    order = list(names) + [n for n in _TESTS if n not in names]
+
+    def classify(p):
+        return next(label for label in (_TESTS[n](p) for n in order) if label)
+    return classify
+
+
+# the rules in another order
+_straggler_before_memory = _in_order("straggler", "memory")
+_input_before_straggler = _in_order("memory", "input", "straggler")
+_compute_before_straggler = _in_order("memory", "compute", "straggler")
+_all_reduce_before_straggler = _in_order("memory", "all-reduce", "straggler")
+
+
+def _largest_on_slowest(p):  # the largest part read on the slowest rank, not the mean
+    if p.mem_frac >= 0.9:
+        return "memory-bound"
+    if _spread(p) > _real_costs(p):
+        return "straggler-bound"
+    return _LABEL[max(("data", "compute", "comm"), key=lambda part: max(getattr(p, part)))]
+
+
 def _spaces(p):  # right answer, label written with a space
     return classify_bottleneck(p).replace("-", " ")
 
@@ -146,8 +184,39 @@ class TestChapter01(ChapterChecks):
               says="expected 'straggler-bound'"),
         Wrong("classify_bottleneck", _last_rank_slow, "the last rank assumed slow",
               says="profile 16 .*expected 'straggler-bound'"),
+        Wrong("classify_bottleneck", _straggler_before_memory,
+              "the straggler rule before the memory rule", says="memory first"),
+        Wrong("classify_bottleneck", _input_before_straggler,
+              "the largest part (the loader) before the straggler rule",
+              says="straggler before"),
+        Wrong("classify_bottleneck", _compute_before_straggler,
+              "the largest part (compute) before the straggler rule", says="straggler"),
+        Wrong("classify_bottleneck", _all_reduce_before_straggler,
+              "the largest part (comm) before the straggler rule", says="straggler"),
+        Wrong("classify_bottleneck", _largest_on_slowest,
+              "the largest part on the slowest rank, not the mean", says="mean over ranks"),
     ]
     right = [
         Right("classify_bottleneck", classify_bottleneck, "the library's classifier"),
         Right("classify_bottleneck", _wait_in_comm, "the wait read from the comm spread"),
+        Right("classify_bottleneck", _in_order("memory", "straggler", "compute", "all-reduce",
+                                               "input"), "the largest-part tests in another order"),
     ]
+
+
+def test_every_other_order_of_the_rules_fails():
+    """The rules in all 120 orders: the check passes exactly the 6 that test memory first
+    and the straggler second (the largest-part tests exclude one another, so their order
+    is free) and fails the other 114."""
+    from itertools import permutations
+
+    from helpers.checks import CheckFailed
+
+    for order in permutations(_TESTS):
+        right = order[:2] == ("memory", "straggler")
+        try:
+            ch01.check_classify_bottleneck(_in_order(*order))
+            passed = True
+        except CheckFailed:
+            passed = False
+        assert passed == right, order

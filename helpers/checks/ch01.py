@@ -120,7 +120,29 @@ PROFILES = [
     # four ranks, one slow: the wait (30) beats the fast ranks' compute (20) but not the
     # mean compute (27.5); slowest minus mean is 22.5
     (_p([1, 1, 1, 1], [20, 20, 20, 50], [32, 32, 32, 2]), "straggler-bound"),
+    # Below, the order of the rules decides (memory, then the straggler, then the largest
+    # part), and the mean over ranks where the slowest rank would say otherwise. A third
+    # item names the mistake behind a wrong label ("*": any wrong label).
+    # a straggler's shape (profile 3) on a rank 95 % full: memory decides first
+    (_p([1, 1], [8, 45], [40, 2], mem=0.95), "memory-bound",
+     {"*": "the fullest rank uses 95 % of its memory, which decides whatever the timings "
+           "say: test memory first, before the straggler rule and the largest part"}),
+    # the loader (40 ms) is the largest mean part (compute 16.25, comm 35.75), but the fast
+    # ranks wait 45 ms, more than every real cost (40, 5, 2)
+    (_p([40, 40, 40, 40], [5, 5, 5, 50], [47, 47, 47, 2]), "straggler-bound",
+     {"input-bound": "the loader (40 ms) is the largest mean part, but the fast ranks wait "
+                     "45 ms for the slow one, more than every real cost: test for a "
+                     "straggler before naming the largest part"}),
+    # no straggler (the 10 ms wait is less than the loader's 37); by the mean the loader
+    # (37) beats compute (35), by the slowest rank compute (40) beats the loader
+    (_p([37, 37], [30, 40], [15, 5]), "input-bound",
+     {"compute-bound": "the slowest rank computes 40 ms, more than the loader's 37, but the "
+                       "mean over ranks is 35 ms: compare the parts by their mean over ranks "
+                       "(profile.mean), not by the slowest rank"}),
 ]
+
+
+_LABEL = {"data": "input-bound", "compute": "compute-bound", "comm": "all-reduce-bound"}
 
 
 def check_classify_bottleneck(classify_bottleneck) -> None:
@@ -139,18 +161,34 @@ def check_classify_bottleneck(classify_bottleneck) -> None:
     * a real cost left out of the comparison (the loader: 13; the fast rank's compute:
       14) or the costs summed instead of each compared (15);
     * the last rank assumed to be the slow one (``compute[-1] - compute[0]``): 16;
+    * the rules in another order: the straggler (or the largest part) before memory: 18;
+      the largest part before the straggler rule: 3 (compute), 4 (comm), 19 (the loader),
+      each failure with the wait and the real costs it beats;
+    * the largest part read on the slowest rank where the mean is meant: 20 (named);
     * a misspelled label ("memory bound"), None, or an exception: named.
     """
     labels = ("memory-bound", "straggler-bound", "input-bound", "all-reduce-bound",
               "compute-bound")
-    for i, (profile, want) in enumerate(PROFILES):
+    for i, (profile, want, *named) in enumerate(PROFILES):
         got = attempt(classify_bottleneck, profile, what=f"classify_bottleneck(profile {i})")
         if got not in labels:
             raise CheckFailed(f"profile {i}: classify_bottleneck returned {got!r}; return "
                               f"exactly one of {', '.join(map(repr, labels))}")
         if got != want:
             means = {p: round(profile.mean(p), 1) for p in ("data", "compute", "comm")}
+            mistakes = named[0] if named else {}
+            why = mistakes.get(got, mistakes.get("*"))
+            largest = max(("data", "compute", "comm"), key=profile.mean)
+            if why is None and want == "straggler-bound" and got == _LABEL[largest]:
+                # the part that is largest by the mean, where the wait beats every real cost
+                why = (f"the fast rank waits {max(profile.compute) - min(profile.compute):g} ms "
+                       f"for the slow one, more than every real cost (loader "
+                       f"{profile.mean('data'):g}, fastest compute {min(profile.compute):g}, "
+                       f"transfer {min(profile.comm):g} ms): a straggler, though {largest} is "
+                       f"the largest mean part; the straggler rule comes before the largest "
+                       f"part")
             raise CheckFailed(f"profile {i} (compute per rank {profile.compute} ms, "
                               f"means {means}, memory {profile.mem_frac:.0%}): you said {got!r}, "
-                              f"expected {want!r}")
+                              f"expected {want!r}" + (f". {why[0].upper()}{why[1:]}"
+                                                      if why else ""))
     passed(f"all {len(PROFILES)} profiles named correctly")
