@@ -285,7 +285,7 @@ class TestChapter17(ChapterChecks):
     lab = "labs/17_checkpoint_resume_lab.ipynb"
     sol = "solutions/17_checkpoint_resume_solution.ipynb"
     checks = {
-        "atomic_save": Check(ch17.check_atomic_save, slow=True),
+        "atomic_save": Check(ch17.check_atomic_save, slow=True, wire=True),
         "resume_extras": Check(ch17.check_resume_extras, "capture_extras", "restore_extras"),
         "optimal_interval": Check(ch17.check_optimal_interval),
     }
