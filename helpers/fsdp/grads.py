@@ -52,9 +52,10 @@ backward"), so keeping the replicas equal is left to the caller. Meant for a
 few small tensors (norms) or anything that must not be sharded; they keep
 their own dtype under a mixed-precision policy.
 
-How production differs: FSDP2 reduce-scatters on its own CUDA stream and
-keeps each parameter's gradient a DTensor sharded along dim 0; here ignored
-parameters are averaged synchronously at the end of backward, unbucketed.
+How production differs: FSDP2 reduce-scatters on its own CUDA stream, keeps
+each parameter's gradient a DTensor sharded along dim 0, and its policy has
+an ``output_dtype`` (none here); here ignored parameters are averaged
+synchronously at the end of backward, unbucketed.
 """
 
 from __future__ import annotations

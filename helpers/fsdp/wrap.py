@@ -26,11 +26,11 @@ every hook and gives each parameter its own tensor with the trained weights.
 Wrapping a model that is still wrapped (a notebook cell run twice) is refused:
 the old hooks would keep firing on the new wrapper's weights.
 
-How production differs: FSDP2's ``fully_shard`` is called on each module to
-shard, bottom-up (``torch_fsdp2`` below does it), instead of a policy walked
-by one wrapper; it shards each parameter separately, and moves or offloads
-them to a device. Here units live on the parameters' device (CPU with gloo,
-the rank's GPU with nccl), no offload, no ``output_dtype``.
+How production differs: FSDP2's ``fully_shard`` is applied module by module,
+bottom-up (``torch_fsdp2`` below does it), rather than by one wrapper walking
+a policy, and it shards each parameter on its own (``helpers.fsdp`` says
+more). Here units live on the parameters' device (CPU with gloo, the rank's
+GPU with nccl); nothing is offloaded.
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ class FSDP(UnitLife, ShardedGrads, nn.Module):
     after writing into the shards; ``gather_async(unit)`` for a prefetch.
 
     The methods come in three parts, one file each: this one builds the units
-    and the hooks; ``UnitLife`` (``helpers.fsdp.unit``) gathers and frees
-    them; ``ShardedGrads`` (``helpers.fsdp.grads``) reduces, clips and shows
-    their gradients.
+    and registers the hooks; ``UnitLife`` (``helpers.fsdp.unit``) gathers and
+    frees them; ``ShardedGrads`` (``helpers.fsdp.grads``) reduces, clips and
+    shows their gradients.
     """
 
     def __init__(self, model: nn.Module, policy: Callable[[nn.Module], bool] = block_policy,
