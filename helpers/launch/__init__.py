@@ -14,9 +14,12 @@ The launcher is a package, one part per module, in the order a launch uses them:
   (``__main__``): torchrun with a bound on waiting for the nodes;
 * ``hooks``: the extension points other parts of the course plug into (the
   collective recorder of ``helpers.debug`` does);
+* ``wire``: every call that reaches a process group, seen in one place (the lab
+  checks' spy and NCCL's rules watch there, whatever the spelling of the call);
 * ``nccl_rules``: gloo behaving as nccl would where the outcome differs
   (``launch(..., nccl_rules=True)`` or ``COURSE_NCCL_RULES=1``), so that a hang or
-  error a GPU node would show appears on a laptop and in CI.
+  error a GPU node would show appears on a laptop and in CI; ``nccl_hangs``: the
+  caller's side, saying who waited for whom when such a launch hangs.
 
 Every chapter of the course ends up calling::
 

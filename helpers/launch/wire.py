@@ -120,9 +120,9 @@ class Call:
         if not self.args:
             return []
         first = self.args[1] if self.method in _OUT_IN else self.args[0]
-        if self.method == "scatter" and not _flat(first):  # not the root: what it gets
+        if self.method == "scatter" and not flatten(first):  # not the root: what it gets
             first = self.args[0]
-        return [t for t in _flat(first) if isinstance(t, torch.Tensor)]
+        return [t for t in flatten(first) if isinstance(t, torch.Tensor)]
 
     @property
     def nbytes(self) -> int:
@@ -133,9 +133,10 @@ class Call:
         return self.ranks[self.group.rank()] if self.ranks else 0
 
 
-def _flat(value) -> list:
+def flatten(value) -> list:
+    """Nested lists and tuples of a call's arguments as one list."""
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat(v)]
+        return [t for v in value for t in flatten(v)]
     return [value]
 
 
@@ -301,4 +302,5 @@ def work(wait: Callable[[], None], done: Callable[[], bool]):
     return ObservedWork()
 
 
-__all__ = ["Call", "OPS", "add", "observing", "original", "install", "see_through", "work"]
+__all__ = ["Call", "OPS", "add", "observing", "original", "install", "see_through", "work",
+           "flatten"]
