@@ -210,7 +210,7 @@ def _calling_lines(frame) -> list[tuple[str, int, str]]:
 
 def describe_where(where: list[tuple[str, int, str]]) -> str:
     """``Cell In[5], line 12`` (named as the caller's IPython names the cell),
-    ``helpers/ddp.py:301 (from Cell In[5], line 12)``; '?' if unknown."""
+    ``helpers/ddp/reducer.py:301 (from Cell In[5], line 12)``; '?' if unknown."""
     def one(filename, line):
         name = cell_name(filename, line)
         if name.startswith("File "):  # a file: shorter, relative where possible
