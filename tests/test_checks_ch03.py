@@ -37,8 +37,19 @@ def _lone_reduce_scatter(x):  # the right ring, each step posted as a lone isend
     for s in range(p - 1):
         a, b = bounds[(r - s - 1) % p]
         c, d = bounds[(r - s - 2) % p]
-        buf = torch.empty(d - c, dtype=x.dtype)
+        buf = torch.empty(d - c, dtype=x.dtype, device=x.device)
         _lone_exchange(x[a:b], buf)
+        x[c:d] += buf
+
+
+def _buffer_on_the_default_device(x):  # the right ring, its buffer made without device=
+    r, p = dist.get_rank(), dist.get_world_size()
+    bounds = chunk_bounds(x.numel(), p)
+    for s in range(p - 1):
+        a, b = bounds[(r - s - 1) % p]
+        c, d = bounds[(r - s - 2) % p]
+        buf = torch.empty(d - c, dtype=x.dtype)   # on a GPU node: the CPU, data on the GPU
+        _exchange(x[a:b], buf)
         x[c:d] += buf
 
 
@@ -57,7 +68,7 @@ def _off_by_one(x):  # sends chunk (r - s): ends up owning the sum of chunk r+1
     for s in range(p - 1):
         a, b = bounds[(r - s) % p]
         c, d = bounds[(r - s - 1) % p]
-        buf = torch.empty(d - c, dtype=x.dtype)
+        buf = torch.empty(d - c, dtype=x.dtype, device=x.device)
         _exchange(x[a:b], buf)
         x[c:d] += buf
 
@@ -68,7 +79,7 @@ def _backwards(x):  # the mirrored ring: sends left, receives right; right sums 
     for s in range(p - 1):
         a, b = bounds[(r + s + 1) % p]
         c, d = bounds[(r + s + 2) % p]
-        buf = torch.empty(d - c, dtype=x.dtype)
+        buf = torch.empty(d - c, dtype=x.dtype, device=x.device)
         _batch([(x[a:b], (r - 1) % p)], [(buf, (r + 1) % p)])
         x[c:d] += buf
 
@@ -77,7 +88,7 @@ def _straight_to_owner(x):  # each chunk sent directly to its owner: right sums,
     r, p = dist.get_rank(), dist.get_world_size()
     bounds = chunk_bounds(x.numel(), p)
     a, b = bounds[r]
-    bufs = [torch.empty(b - a, dtype=x.dtype) for _ in range(p)]
+    bufs = [torch.empty(b - a, dtype=x.dtype, device=x.device) for _ in range(p)]
     _batch([(x[c:d].clone(), q) for q, (c, d) in enumerate(bounds) if q != r],
            [(bufs[q], q) for q in range(p) if q != r])
     for q in range(p):
@@ -92,7 +103,7 @@ def _even_slices(x):  # chunks as n // p slices: the tail past p * (n // p) is n
     for s in range(p - 1):
         a, b = bounds[(r - s - 1) % p]
         c, d = bounds[(r - s - 2) % p]
-        buf = torch.empty(d - c, dtype=x.dtype)
+        buf = torch.empty(d - c, dtype=x.dtype, device=x.device)
         _exchange(x[a:b], buf)
         x[c:d] += buf
 
@@ -103,7 +114,7 @@ def _float32_buffer(x):  # torch.empty(k) is float32: gloo would abort on the si
     for s in range(p - 1):
         a, b = bounds[(r - s - 1) % p]
         c, d = bounds[(r - s - 2) % p]
-        buf = torch.empty(d - c)
+        buf = torch.empty(d - c, device=x.device)
         _exchange(x[a:b], buf)
         x[c:d] += buf
 
@@ -114,7 +125,7 @@ def _no_modulo(x):  # chunk index without % p: IndexError on the first ranks
     for s in range(p - 1):
         a, b = bounds[r - s - 1 + p if r - s - 1 < 0 else r - s - 1]
         c, d = bounds[r - s - 2 + 2 * p]
-        buf = torch.empty(d - c, dtype=x.dtype)
+        buf = torch.empty(d - c, dtype=x.dtype, device=x.device)
         _exchange(x[a:b], buf)
         x[c:d] += buf
 
@@ -185,6 +196,8 @@ class TestChapter03(ChapterChecks):
     }
     uses = {"ring_average": ("reduce_scatter", "all_gather")}  # the notebook's two phases
     wrong = [
+        Wrong("reduce_scatter", _buffer_on_the_default_device, "a buffer made without device=",
+              says="a buffer made without device="),
         Wrong("reduce_scatter", _overwrites, "receives into place instead of adding",
               says="don't overwrite"),
         Wrong("reduce_scatter", _off_by_one, "sends chunk r - s, one off", says="chunk indices"),

@@ -180,12 +180,14 @@ def _tied_exchanged(stage, x, y):
     loss = _pipeline(stage, x, y)
     rank, p = dist.get_rank(), dist.get_world_size()
     w = stage.wte.weight if stage.first else stage.lm_head.weight if stage.last else None
-    if w is not None:
+    if w is not None:   # blocking calls, as the loop's own messages: rank 0 sends first
         other = torch.empty_like(w.grad)
-        peer = p - 1 if rank == 0 else 0
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, w.grad.clone(), peer),
-                                            dist.P2POp(dist.irecv, other, peer)]):
-            work.wait()
+        if rank == 0:
+            dist.send(w.grad.clone(), p - 1)
+            dist.recv(other, p - 1)
+        else:
+            dist.recv(other, 0)
+            dist.send(w.grad.clone(), 0)
         w.grad += other
     return loss
 

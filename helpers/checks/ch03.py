@@ -18,7 +18,9 @@ as the result: inside the ranks every point-to-point send (``dist.send``/
 ``isend``, also inside ``batch_isend_irecv``) is recorded with its
 destination and size, and must go to the right neighbour (r + 1) % p, carry
 one chunk, and total what a ring sends, (p-1)·N elements over all ranks per
-phase; receive buffers must have the tensor's dtype; and the collectives
+phase; receive buffers must have the tensor's dtype and device (the learner's code runs
+with "meta" as the default device, so a buffer made without device= is caught on a CPU
+as it would fail on a GPU node); and the collectives
 themselves (``dist.all_reduce`` and friends) are switched off, so a result that
 came from them fails. The sends are seen through the checks' spy
 (``helpers.checks.spy``), which sees a send posted alone or in a
@@ -56,8 +58,14 @@ def _instrumented(fn, t) -> list:
     from helpers.checks.spy import communication_spy
 
     why = "build the collective from point-to-point messages (isend/irecv)"
-    with communication_spy(refuse={name: why for name in REFUSED}, recv_dtype=t.dtype) as spy:
-        fn(t)
+    with communication_spy(refuse={name: why for name in REFUSED}, recv_dtype=t.dtype,
+                           device=t.device) as spy:
+        # A GPU node's default device (the CPU) is not the data's (the rank's GPU): a
+        # tensor made without device= lands elsewhere than the data, and on nccl its
+        # message never meets the peer's. Here the default device is "meta" while the
+        # data stays where it is, so that slip fails on a CPU too, named.
+        with torch.device("meta"):
+            fn(t)
     return spy.sends
 
 
@@ -104,6 +112,12 @@ _ABORT = ("a rank aborted inside gloo. The usual cause: a receive buffer of anot
           "its right neighbour receives must be the same chunk (same bounds, same dtype).")
 
 
+_DEFAULT_DEVICE = ("a tensor was made without device= (torch.empty(k), torch.zeros(k)): it "
+                   "lands on the default device, which the check sets apart from the data's "
+                   "device, as a GPU node does (default CPU, data on the GPU). Make tensors "
+                   "like the data: torch.empty_like(chunk), or device=x.device.")
+
+
 def _check(fn, phase: str, label: str, timeout: float) -> None:
     if not callable(fn):
         raise CheckFailed(f"{label} should be a function, got {fn!r}")
@@ -111,7 +125,7 @@ def _check(fn, phase: str, label: str, timeout: float) -> None:
         results = on_ranks(_run, world, fn, phase, what=f"{label} on {world} ranks",
                            timeout=timeout,
                            probe=lambda: fn(torch.zeros(4, dtype=torch.float64)),
-                           hints={"SIGABRT": _ABORT})
+                           hints={"SIGABRT": _ABORT, "meta": _DEFAULT_DEVICE})
         for rank, (outs, _) in enumerate(results):
             for n, got in zip(SIZES, outs):
                 _compare(got, n, rank, world, phase, label)

@@ -29,7 +29,8 @@ and, while active:
 * the collectives named in ``refuse`` (by operation or by the function called)
   raise with the given reason;
 * ``recv_dtype``: a receive buffer of another dtype raises, naming it (gloo would
-  abort the process on the size mismatch with no word of the cause).
+  abort the process on the size mismatch with no word of the cause);
+* ``device``: a sent or received tensor on another device raises, naming it.
 
 Not seen: collectives torch issues from C++ (DDP's reducer, DTensor's functional
 collectives); see ``helpers.launch.wire``.
@@ -64,6 +65,7 @@ class Spy:
     refuse: dict = dataclasses.field(default_factory=dict)
     recv_dtype: object = None
     keep_values: bool = True
+    device: object = None
 
     @property
     def destinations(self) -> list[int]:
@@ -99,6 +101,14 @@ class Spy:
                 f"rank number computed past the last rank, or hard-coded for another world "
                 f"size? (gloo would wait for it forever)")
         tensor = call.tensors[0]
+        if self.device is not None and tensor.device != self.device:
+            raise RuntimeError(
+                f"{'sending' if sending else 'receiving into'} a tensor on {tensor.device}, "
+                f"but the data is on {self.device}: a buffer made without device= (as "
+                f"torch.empty(k)) lands on the default device. On a GPU node that is the CPU "
+                f"while the data is on the GPU: its message goes to gloo, the peer's to "
+                f"nccl, and the two never meet. Allocate with torch.empty_like(chunk), or "
+                f"device=x.device")
         nbytes = tensor.numel() * tensor.element_size()
         if sending:
             copy = tensor.detach().to("cpu", copy=True) if self.keep_values else None
@@ -123,9 +133,10 @@ _COLLECTIVE_APIS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_te
 
 @contextlib.contextmanager
 def communication_spy(refuse: dict[str, str] | None = None, recv_dtype=None,
-                      keep_values: bool = True) -> Iterator[Spy]:
+                      keep_values: bool = True, device=None) -> Iterator[Spy]:
     """See the module docstring. ``refuse``: {operation or function name: why it is
-    refused here}."""
-    spy = Spy(refuse=dict(refuse or {}), recv_dtype=recv_dtype, keep_values=keep_values)
+    refused here}; ``device``: the device every sent or received tensor must be on."""
+    spy = Spy(refuse=dict(refuse or {}), recv_dtype=recv_dtype, keep_values=keep_values,
+              device=device)
     with wire.observing(spy):
         yield spy

@@ -245,16 +245,24 @@ def see_through(path: str) -> None:
     _KIND.clear()
 
 
+def _torch_dir(torch) -> str:
+    return os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+
+
 def _kind(filename: str) -> str | None:
     kind = _KIND.get(filename, "?")
     if kind == "?":
         import torch.distributed.c10d_logger as logger
         import torch.distributed.distributed_c10d as c10d
 
+        import torch
+
         real = os.path.realpath(filename)
         kind = {os.path.realpath(c10d.__file__): "c10d",
                 os.path.realpath(logger.__file__): "logger"}.get(real)
-        if kind is None and real in _SEE_THROUGH:
+        if kind is None and (real in _SEE_THROUGH or real.startswith(_torch_dir(torch))):
+            # a wrapper of ours, or torch's own (a __torch_function__ mode such as
+            # `with torch.device(...)` re-enters isend through torch/overrides.py)
             kind = "wrapper"
         _KIND[filename] = kind
     return kind
@@ -264,7 +272,7 @@ def _caller(frame) -> tuple[str | None, list | None, int, bool]:
     """(the outermost distributed_c10d function on the stack above ``frame``, the
     P2POp list if one of them is batch_isend_irecv, this op's place in it, whether the
     outermost call asked for async_op). Torch's own frames are consecutive: the walk
-    stops at the first frame of anyone else."""
+    stops at the first frame outside torch (and the wrappers that see_through names)."""
     api, batch, index, async_op = None, None, 0, False
     f = frame
     while f is not None:
