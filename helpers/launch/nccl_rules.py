@@ -118,9 +118,11 @@ What it cannot show (only a GPU does)
 * **A buffer on the wrong device.** On a node, a tensor made without the rank's
   device (``torch.empty(k)``) is a CPU tensor, and its send or receive goes to gloo
   while the peer's CUDA tensor goes to nccl: the two never meet. Here every tensor is
-  on the CPU, so the slip runs; chapter 03's lab allocates receive buffers with
-  ``torch.empty_like(chunk)`` and says why, and ``make test-gpu`` runs the lab checks
-  on nccl where a node has a GPU per rank.
+  on the CPU, so the rules cannot see it. Chapter 03's check shows it another way: the
+  learner's ring runs with "meta" as the default device, apart from the data's as on a
+  node, and the checks' spy refuses a message on another device than the data's
+  (``communication_spy(device=...)``); ``make test-gpu`` runs the lab checks on nccl
+  where a node has a GPU per rank.
 * **Where a hang ends.** A wait to create a communicator (rules 1 and 2) is not an
   nccl operation, so NCCL's watchdog (``TORCH_NCCL_...``, 10 minutes) never sees it:
   on a node, and here, the launch's own timeout ends it.
