@@ -25,7 +25,7 @@
 #   make notebooks  re-execute course/ and solutions/ in place (outputs are committed)
 #   make bench      run the benchmarks and print their tables
 #   make site       the course as a static site in _build/site (from the committed outputs)
-#   make check-labs DIR=work   run every lab exercise's check in DIR (one learner's folder,
+#   make check-labs DIR=work [JOBS=4]   run every lab exercise's check in DIR (one learner's folder,
 #                   or one subfolder per learner): a pass/fail table and DIR/check_labs.csv
 
 PYTHON ?= python3
@@ -158,8 +158,9 @@ site: setup
 	$(BIN)/python tools/site/build.py
 
 DIR ?= work
+JOBS ?= 1
 check-labs: setup
-	$(BIN)/python tools/check_labs.py $(DIR)
+	$(BIN)/python tools/check_labs.py $(DIR) --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) $(NEWEST) .pytest_cache

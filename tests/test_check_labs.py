@@ -64,8 +64,15 @@ def test_a_room_solutions_pass_a_slip_fails_exactly_its_exercise_stubs_are_not_a
     for lab in labs:
         _copy(str(lab.relative_to(ROOT)), tmp_path / "room" / "bob")
     _copy("course/01_why_distributed.ipynb", tmp_path / "room" / "bob")
+    # a scratch cell between alice's exercise and its check: still the same exercise
+    nb = tmp_path / "room" / "alice" / "03_all_reduce_ring_solution.ipynb"
+    book = nbformat.read(nb, as_version=4)
+    at = next(i for i, c in enumerate(book.cells) if "checks.check_reduce_scatter(" in c.source)
+    book.cells.insert(at, nbformat.v4.new_code_cell("n = 5  # trying something"))
+    nbformat.write(book, nb)
     out = tmp_path / "room.csv"
-    assert check_labs.main([str(tmp_path / "room"), "--csv", str(out)]) == 0
+    # two notebooks at a time (make check-labs JOBS=2): the same verdicts as one by one
+    assert check_labs.main([str(tmp_path / "room"), "--csv", str(out), "--jobs", "2"]) == 0
     rows = list(csv.DictReader(out.open()))
     alice = {r["exercise"]: r for r in rows if r["learner"] == "alice"}
     assert {r["chapter"] for r in rows if r["learner"] == "alice"} >= {"01", "03"}
@@ -74,6 +81,7 @@ def test_a_room_solutions_pass_a_slip_fails_exactly_its_exercise_stubs_are_not_a
     assert "\n" not in alice["bytes_per_param"]["reason"]
     passed = [e for e, r in alice.items() if r["status"] == "pass"]
     assert sorted(passed) == sorted(set(alice) - {"bytes_per_param"}), alice
+    assert "n" not in alice and "reduce_scatter" in alice
     bob = [r for r in rows if r["learner"] == "bob"]  # the course notebook is not among them
     assert {r["chapter"] for r in bob} == {lab.name[:2] for lab in labs}
     assert {r["status"] for r in bob} == {"not attempted"}, bob

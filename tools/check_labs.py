@@ -3,6 +3,7 @@
     python tools/check_labs.py work                # a learner's `make my-copy` folder
     python tools/check_labs.py submissions/        # one subfolder per learner
     make check-labs DIR=work                       # the same, with the course's Python
+    make check-labs DIR=room JOBS=4                # four notebooks at a time (a node)
 
 A lab notebook is any notebook with a check cell (``checks.check_...``); the
 course notebooks that `make my-copy` also copies have none and are skipped.
@@ -72,15 +73,36 @@ def code_cells(path: pathlib.Path) -> list[str]:
 
 
 def exercises(cells: list[str]) -> list[Exercise]:
-    """Each check cell and the code cell before it (the first cell is imports only)."""
+    """Each check cell and the cell that defines what it checks (the first cell is
+    imports only)."""
     found = []
     for i, src in enumerate(cells):
         if i >= 2 and CHECK_CALL.search(src) and not CHECK_CALL.search(cells[i - 1]):
-            defined = DEFINES.search(cells[i - 1])
-            name = next(g for g in defined.groups() if g) if defined else \
-                CHECK_CALL.search(src).group(0).rstrip("( ").removeprefix("check_")
-            found.append(Exercise(name, i - 1, i))
+            found.append(Exercise(*_graded(cells, i), i))
     return found
+
+
+CHECK_ARGS = re.compile(r"\bcheck_\w+\s*\(([^)]*)\)")
+
+
+def _graded(cells: list[str], i: int) -> tuple[str, int]:
+    """(the exercise's name, the cell that defines it) for the check in cell ``i``: the
+    nearest earlier cell that defines a name the check is called with, so that a scratch
+    cell a learner put in between (``n = 5``) is not taken for the exercise; else the
+    cell right before, as the lab lays them out."""
+    call = CHECK_ARGS.search(cells[i])
+    args = re.findall(r"(?<![\w.])([A-Za-z_]\w*)\b(?!\s*[.(])", call.group(1)) if call else []
+    for k in range(i - 1, 0, -1):
+        if CHECK_CALL.search(cells[k]):
+            break  # the previous exercise's check: not further back
+        names = {g for m in DEFINES.finditer(cells[k]) for g in m.groups() if g}
+        hit = [a for a in args if a in names]
+        if hit:
+            return hit[0], k
+    defined = DEFINES.search(cells[i - 1])
+    name = next(g for g in defined.groups() if g) if defined else \
+        CHECK_CALL.search(cells[i]).group(0).rstrip("( ").removeprefix("check_")
+    return name, i - 1
 
 
 def chapter(path: pathlib.Path) -> str:
@@ -130,6 +152,7 @@ def run_notebook(path: pathlib.Path, start: int, skip: set[int]) -> None:
     owner = {}  # cell index -> the exercise it belongs to
     for k, ex in enumerate(exercises(cells)):
         owner[ex.define] = owner[ex.check] = k
+    defines = {ex.define for ex in exercises(cells)}
     checks = {ex.check: (k, ex) for k, ex in enumerate(exercises(cells))}
     namespace: dict = {"__name__": "__lab__"}
     with contextlib.suppress(ImportError):
@@ -155,8 +178,10 @@ def run_notebook(path: pathlib.Path, start: int, skip: set[int]) -> None:
             # start the rank server now, while the next cells run (as a notebook kernel
             # does when it imports helpers): the first check's launch finds it ready
             sys.modules["helpers.launch.pool"].prestart()
-        # An exercise cell that fails to define (a syntax error, say) is its check's failure.
-        define_error = exc if owner.get(i, -1) >= start else None
+        # An exercise cell that fails to define (a syntax error, say) is its check's failure;
+        # a scratch cell between it and its check changes nothing.
+        if i in defines:
+            define_error = exc if owner[i] >= start else None
     with contextlib.suppress(Exception):
         from helpers.launch import shutdown
         shutdown()
@@ -313,20 +338,28 @@ def learners(folder: pathlib.Path) -> dict[str, list[pathlib.Path]]:
 
 
 def check_folder(folder: pathlib.Path, timeout: float = 600, exercise_timeout: float = 180,
-                 only: str | None = None, progress=None, groups: Groups | None = None) -> list[Result]:
+                 only: str | None = None, progress=None, groups: Groups | None = None,
+                 jobs: int = 1) -> list[Result]:
+    """Every lab notebook of every learner in ``folder``; ``jobs`` notebooks at a time
+    (each is a process of its own, with its own rank server: on a node, give each job
+    the cores its ranks need). The results come in the same order whatever ``jobs``."""
+    from concurrent.futures import ThreadPoolExecutor
+
     groups = groups or Groups()
-    results: list[Result] = []
+    todo = [(learner, nb) for learner, notebooks in learners(folder).items()
+            for nb in notebooks if not only or re.search(only, nb.name)]
+
+    def one(item):
+        learner, nb = item
+        if progress:
+            progress(f"{learner}: {nb.name}")
+        return check_notebook(nb, learner, timeout, exercise_timeout, groups)
     try:
-        for learner, notebooks in learners(folder).items():
-            for nb in notebooks:
-                if only and not re.search(only, nb.name):
-                    continue
-                if progress:
-                    progress(f"{learner}: {nb.name}")
-                results += check_notebook(nb, learner, timeout, exercise_timeout, groups)
+        # threads: each job only waits on its child processes' pipes
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            return [r for rs in pool.map(one, todo) for r in rs]
     finally:
         groups.kill_all()
-    return results
 
 
 def table(results: list[Result]) -> str:
@@ -376,12 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exercise-timeout", type=float, default=180,
                         help="seconds per cell (an exercise's definition, its check, any other cell)")
     parser.add_argument("--only", help="regex on notebook names, e.g. '^0[1-3]'")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="notebooks checked at a time (a 16-core node: about cores / 4, "
+                             "each notebook's ranks need cores of their own)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder: name one with DIR=... "
                      f"(one learner's labs, or one subfolder per learner; make my-copy makes work/)")
     results = check_folder(args.folder, args.timeout, args.exercise_timeout, args.only,
-                           progress=lambda s: print(f"checking {s}", file=sys.stderr, flush=True))
+                           progress=lambda s: print(f"checking {s}", file=sys.stderr, flush=True),
+                           jobs=args.jobs)
     if not results:
         print(f"no lab notebooks (notebooks with a check cell) in {args.folder}", file=sys.stderr)
         return 1
