@@ -138,6 +138,7 @@ per group at first use, and one per lone send (rule 8).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
 import inspect
@@ -146,7 +147,7 @@ import queue
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 from helpers.launch import hooks, wire
 from helpers.launch.errors import library_dirs
@@ -212,11 +213,13 @@ class _Rules:
         self.store = store
         self.timeout = datetime.timedelta(seconds=timeout)
         self.pairs: set[tuple[str, int, int]] = set()     # (group, low, high) joined
-        self.uncounted: dict[str, int] = {}                 # group -> ops creating no comm.
+        self.uncounted: collections.Counter = collections.Counter()  # group -> ops that
+                                                            # create no communicator
         self.groups: set[str] = set()                       # groups whose communicator exists
         self.gloo_groups: set[str] = set()                  # made with backend="gloo"
         self.streams: dict[tuple[str, int, int], _Stream] = {}
-        self.posted: dict[tuple[str, int, str], int] = {}   # (group, peer, op) -> lone calls
+        self.posted: collections.Counter = collections.Counter()  # (group, peer, op) ->
+                                                            # lone calls posted
         self.batch_works: list = []
         self.channel = hooks.rank_channel()
 
@@ -251,7 +254,7 @@ class _Rules:
                 self.batch_works = []
                 self._first_batch(call, gname)
             return
-        self.uncounted[gname] = self.uncounted.get(gname, 0) + 1
+        self.uncounted[gname] += 1
         me, peer = call.rank, call.peer
         low, high = sorted((me, peer))
         if peer != me and (gname, low, high) not in self.pairs:
@@ -266,7 +269,7 @@ class _Rules:
             return
         # Has a collective run on the group from C++ (DDP's broadcast)? gloo counts every
         # operation in the sequence number; the rules counted those that create nothing.
-        if call.group._get_sequence_number_for_group() > self.uncounted.get(gname, 0):
+        if call.group._get_sequence_number_for_group() > self.uncounted[gname]:
             self.groups.add(gname)
             return
         members = list(call.ranks)
@@ -285,7 +288,7 @@ class _Rules:
                 _check_op(arg.reduceOp)
         gname = call.group.group_name
         if call.api in ON_GLOO_ON_A_NODE:
-            self.uncounted[gname] = self.uncounted.get(gname, 0) + 1
+            self.uncounted[gname] += 1
         elif gname not in self.groups:
             # the group's first nccl collective creates its communicator: the host waits
             # for every rank of the group, even for an async_op=True call
@@ -302,7 +305,7 @@ class _Rules:
                              "[nccl_rules: on a GPU node the default group is "
                              "'cpu:gloo,cuda:nccl'; make a gloo group for it: "
                              "dist.new_group(backend='gloo')]")
-        self.uncounted[call.group.group_name] = self.uncounted.get(call.group.group_name, 0) + 1
+        self.uncounted[call.group.group_name] += 1
 
     def _post_batched(self, call: wire.Call, post: Callable):
         """Rule 10: one Work for the batch. torch's batch_isend_irecv keeps only the
@@ -332,7 +335,8 @@ class _Rules:
             stream = self.streams[(gname, low, high)] = _Stream(f"nccl-pair-{low}:{high}")
         sending = call.op == "send"
         count = (gname, peer, call.op)
-        j = self.posted[count] = self.posted.get(count, -1) + 1
+        j = self.posted[count]          # this call's place among the pair's lone ones
+        self.posted[count] += 1
         src, dst = (me, peer) if sending else (peer, me)
         key = f"stream/{gname}/{src}>{dst}/{j}"
         what = f"lone {call.api} {'to' if sending else 'from'} rank {peer}"

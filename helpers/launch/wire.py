@@ -164,12 +164,6 @@ def observing(observer) -> Iterator[Any]:
         _OBSERVERS.remove(observer)
 
 
-def original(method: str) -> Callable:
-    """torch's own ProcessGroup method (posts to the backend, nobody watching)."""
-    install()
-    return _INSTALLED[method]
-
-
 def install() -> None:
     """Replace the ProcessGroup methods once per process (idempotent)."""
     if _INSTALLED:
@@ -292,23 +286,32 @@ def _caller(frame) -> tuple[str | None, list | None, int, bool]:
     return api, batch, index, async_op
 
 
+_WORK: list = []   # the ObservedWork class, made once (torch is imported lazily)
+
+
 def work(wait: Callable[[], None], done: Callable[[], bool]):
     """A torch Work whose wait() runs ``wait`` (and raises what it raises), for an
     observer's ``post`` that hands back a Work of its own."""
-    from torch._C._distributed_c10d import Work
+    if not _WORK:
+        from torch._C._distributed_c10d import Work
 
-    class ObservedWork(Work):
-        def wait(self, timeout=None):  # noqa: ARG002 - Work's signature
-            wait()
-            return True
+        class ObservedWork(Work):
+            def __init__(self, wait, done):
+                super().__init__()
+                self._wait, self._done = wait, done
 
-        def is_completed(self):
-            return done()
+            def wait(self, timeout=None):  # noqa: ARG002 - Work's signature
+                self._wait()
+                return True
 
-        def is_success(self):
-            return done()
-    return ObservedWork()
+            def is_completed(self):
+                return self._done()
+
+            def is_success(self):
+                return self._done()
+        _WORK.append(ObservedWork)
+    return _WORK[0](wait, done)
 
 
-__all__ = ["Call", "OPS", "add", "observing", "original", "install", "see_through", "work",
+__all__ = ["Call", "OPS", "add", "observing", "install", "see_through", "work",
            "flatten"]
