@@ -60,7 +60,8 @@ import threading
 from typing import Any, Callable, Iterator
 
 # ProcessGroup method -> the operation, as torch.distributed names the function
-# that posts it (torch 2.13). Only the methods the class has are replaced.
+# that posts it (torch 2.13, and 2.14.1's distributed_c10d, read for the same calls and
+# batch_isend_irecv's p2p_op_list / p2p_op). Only the methods the class has are replaced.
 OPS = {
     "send": "send", "recv": "recv", "recv_anysource": "recv",
     "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
@@ -75,6 +76,7 @@ OPS = {
     "alltoall": "all_to_all", "all_to_all_single": "all_to_all_single",
     "alltoall_base": "all_to_all_single",
     "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "gather_single": "gather_single",   # torch 2.14's dist.gather_single
     "barrier": "barrier", "monitored_barrier": "monitored_barrier",
 }
 P2P = ("send", "recv")
@@ -85,7 +87,8 @@ _OUT_IN = {"allgather", "allgather_coalesced", "all_gather_single", "_allgather_
            "all_gather_single_coalesced", "allgather_into_tensor_coalesced",
            "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
            "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
-           "alltoall", "all_to_all_single", "alltoall_base", "gather", "scatter"}
+           "alltoall", "all_to_all_single", "alltoall_base", "gather", "gather_single",
+           "scatter"}
 
 
 @dataclasses.dataclass
