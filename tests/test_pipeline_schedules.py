@@ -213,6 +213,29 @@ def test_format_schedule():
     assert repr(F(3, 1)) == "F3.1" and repr(B(2)) == "B2"
 
 
+def test_gantt_labels_only_bars_they_fit():
+    """Every drawn label lies inside its bar: a narrow action (interleaving's short
+    chunks) goes unlabelled instead of printing over its neighbours."""
+    import matplotlib.pyplot as plt
+
+    from helpers.pipeline import gantt
+
+    sim = simulate(interleaved_1f1b(2, 8, 2), t_forward=1.0, t_backward=2.0)
+    wide = simulate(gpipe(2, 2), t_forward=1.0, t_backward=2.0)
+    fig, (ax_narrow, ax_wide) = plt.subplots(2, 1, figsize=(3, 3))
+    gantt(sim.intervals, ax=ax_narrow)
+    gantt(wide.intervals, ax=ax_wide)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax, drawn_all in ((ax_narrow, False), (ax_wide, True)):
+        bars = [b.get_window_extent(renderer) for b in ax.patches]
+        texts = [t.get_window_extent(renderer) for t in ax.texts]
+        assert (len(texts) == len(bars)) == drawn_all, (len(texts), len(bars))
+        for t in texts:   # inside the bar it names, not across a neighbour
+            assert any(b.x0 <= t.x0 and t.x1 <= b.x1 for b in bars), t
+    plt.close(fig)
+
+
 def _brute_force_best(costs, k):
     n = len(costs)
     best = float("inf")

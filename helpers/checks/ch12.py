@@ -256,7 +256,8 @@ def check_zb_h1(zb_h1_fn) -> None:
                 row[i + 1] == Action("W", a.microbatch, a.chunk)
                 for row in sched for i, a in enumerate(row) if a.kind == "B")
             hint = (" Every W runs right after its B: that is 1F1B with the backward cut in "
-                    "two, the same bubble. A rank with memory to spare under 1F1B can hold "
+                    "two, which keeps most of 1F1B's bubble (only the input gradient leaves "
+                    "a W earlier). A rank with memory to spare under 1F1B can hold "
                     "some W's back, so that they fill the idle slots of the drain."
                     if one_f_one_b_like else "")
             raise CheckFailed(

@@ -21,7 +21,7 @@ The three classic schedules
 * **GPipe** (Huang et al. 2019, "GPipe", sec. 2.2): all forwards, then all
   backwards. Every rank stashes the activations of all ``m`` micro-batches.
 * **1F1B** (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
-  Training" (PipeDream-Flush/2BW), sec. 3.1; also Megatron-LM SC21, sec. 2.2.1):
+  Training" (PipeDream-Flush/2BW), sec. 3.2; also Megatron-LM SC21, sec. 2.2.1):
   rank r first does ``p - r - 1`` warm-up forwards, then alternates one
   forward and one backward, then drains the remaining backwards. Same bubble as
   GPipe, but rank r never holds more than ``min(p - r, m)`` micro-batches.
@@ -119,7 +119,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> list[list[Action]]:
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
-    """PipeDream-Flush's one-forward-one-backward (Narayanan et al. 2021, sec. 3.1).
+    """PipeDream-Flush's one-forward-one-backward (Narayanan et al. 2021, sec. 3.2).
 
     Rank r: warm-up of ``w = min(p - r - 1, m)`` forwards; steady phase of
     ``m - w`` (forward, backward) pairs; cool-down of the ``w`` backwards left.

@@ -227,6 +227,15 @@ def simulate(schedule: Sequence[Sequence], t_forward=1.0, t_backward=2.0,
 
 
 _COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+_LABEL_SIZE = 7  # points
+
+
+def _label_points(label: str) -> float:
+    """Width in points of ``label`` drawn inside a bar in the current font, with a point
+    of margin each side."""
+    from matplotlib.textpath import TextPath
+
+    return TextPath((0, 0), label, size=_LABEL_SIZE).get_extents().width + 2
 
 
 def gantt(intervals, ax=None, title: str = "", num_chunks: int | None = None):
@@ -245,9 +254,16 @@ def gantt(intervals, ax=None, title: str = "", num_chunks: int | None = None):
             alpha = 1.0 - 0.45 * a.chunk / max(v - 1, 1) if v > 1 else 1.0
             ax.barh(r, e - s, left=s, height=0.8, color=_COLORS[a.kind], alpha=alpha,
                     edgecolor="white", linewidth=0.5)
-            if len(row) <= 48:
+    # label a bar only where its name fits inside it: interleaved rows have many short
+    # actions, and labels printed over each other read as none
+    ax.autoscale_view()
+    x0, x1 = ax.get_xlim()
+    points_per_unit = ax.get_window_extent().width * 72 / ax.figure.dpi / (x1 - x0)
+    for r, row in enumerate(intervals):
+        for s, e, a in row:
+            if (e - s) * points_per_unit >= _label_points(repr(a)):
                 ax.text((s + e) / 2, r, repr(a), ha="center", va="center",
-                        fontsize=7, color="white")
+                        fontsize=_LABEL_SIZE, color="white")
     ax.set_yticks(range(len(intervals)), [f"rank {r}" for r in range(len(intervals))])
     ax.invert_yaxis()
     ax.set_xlabel("time")
