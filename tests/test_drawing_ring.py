@@ -4,9 +4,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from helpers import launch  # noqa: E402
+from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT  # noqa: E402
 from helpers.drawing.ring import decode, draw_ring, encode, record_ring, ring_steps  # noqa: E402
 
 
@@ -41,3 +43,22 @@ def test_the_picture_holds_the_recorded_messages_and_what_they_leave(world, orde
     for i, r in enumerate(pos):
         assert done[r][i] == list(range(world))
     assert all(h == list(range(world)) for row in steps[-1]["holds"] for h in row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_the_strip_reads_in_the_sites_column(world):
+    # shown at its natural size (no wider than the column), every label at least
+    # FRAME_TEXT_PT, and the wrap-around arrow inside its frame (it used to be clipped)
+    fig, steps = draw_ring(launch(record_ring, world), frame_size=(3.4, 3.0))
+    assert fig.get_size_inches()[0] <= COLUMN_INCHES + 1e-9
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        texts = ax.texts + ax.get_xticklabels() + ax.get_yticklabels() + [ax.title]
+        assert min(t.get_fontsize() for t in texts if t.get_text()) >= FRAME_TEXT_PT
+        box = ax.get_window_extent(renderer)
+        for arrow in ax.patches[-world:]:                  # the step's messages, drawn last
+            ext = arrow.get_window_extent(renderer)
+            assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1
+    plt.close(fig)

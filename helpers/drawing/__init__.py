@@ -7,6 +7,9 @@ which expert. Each is drawn from a record the run produced (the sends the checks
 spy saw, a schedule's executed actions, the ownership map of a sharded state, the
 router's assignments), never from coordinates typed in by hand, so a picture is true
 by construction and changes when the learner changes the world size or the layout.
+Two kinds of picture are not drawn here: chapter 12's schedules are Gantt charts of
+measured timelines (``helpers.pipeline.gantt``), and ``layout.draw_rank_grid`` (chapters
+19 and 20) draws a plan, the placement the cost model priced, not a run.
 
 Conventions, for every picture module here (one module per mechanism):
 
@@ -17,7 +20,9 @@ Conventions, for every picture module here (one module per mechanism):
 * a mechanism that runs in steps is drawn frame by frame: ``step_frames(draw_frame,
   steps)`` gives a slider over the steps in JupyterLab and, as the picture stored with
   the widget (what the static site and a notebook not run yet show), all the frames
-  side by side in one strip.
+  in a strip of rows of at most three, no wider than the site's text column
+  (``COLUMN_INCHES``), so that it is shown at its natural size; text inside a frame
+  is at least ``FRAME_TEXT_PT``.
 
 matplotlib is imported inside the functions: ranks import helpers but never draw.
 """
@@ -37,25 +42,46 @@ def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
+# The site's text column is 832 px wide and figures are drawn at 100 px an inch
+# (``helpers.plots.STYLE``), so a figure at most this wide is shown at its natural size:
+# its labels keep the size they were drawn at. A wider one is shrunk to fit, and its
+# labels with it (six 3-inch frames in a row came out at 47 %, 7-pt labels at ~4.5 px).
+COLUMN_INCHES = 8.3
+MAX_PER_ROW = 3            # three frames of ~2.8 in: each still holds labels at FRAME_TEXT_PT
+FRAME_TEXT_PT = 10         # the smallest text inside a frame: ~14 px, body text is 17 px
+
+
 def strip_layout(steps: int, per_row: int | None = None) -> tuple[int, int]:
-    """(rows, columns) of a strip of ``steps`` frames: one row up to 6 frames, then
-    rows of ``per_row`` (default 4), so that the strip fits a page's text column."""
+    """(rows, columns) of a strip of ``steps`` frames: at most ``per_row`` (default and
+    most ``MAX_PER_ROW``) a row, the rows as even as they can be (4 frames: 2 x 2)."""
     if steps < 1:
         raise ValueError(f"a strip needs at least one frame, got {steps}")
-    cols = steps if steps <= 6 and per_row is None else min(steps, per_row or 4)
-    return -(-steps // cols), cols
+    most = MAX_PER_ROW if per_row is None else per_row
+    if not 1 <= most <= MAX_PER_ROW:
+        raise ValueError(f"per_row={per_row}: a row of the site's column holds 1 to "
+                         f"{MAX_PER_ROW} frames at a readable size")
+    rows = -(-steps // most)
+    return rows, -(-steps // rows)
+
+
+def strip_frame_size(cols: int, frame_size: tuple[float, float]) -> tuple[float, float]:
+    """One frame's size in a row of ``cols``: ``frame_size``, narrowed (keeping its
+    shape) so that the row fits ``COLUMN_INCHES``."""
+    w, h = frame_size
+    scale = min(1.0, COLUMN_INCHES / (w * cols))
+    return w * scale, h * scale
 
 
 def draw_strip(draw_frame: Callable[[Any, int], None], steps: int, *,
                frame_size: tuple[float, float] = (3.0, 2.6), per_row: int | None = None,
                title: str | None = None):
-    """Every frame, ``draw_frame(ax, step)`` for step 0 .. steps-1, side by side in one
-    figure; returns it."""
+    """Every frame, ``draw_frame(ax, step)`` for step 0 .. steps-1, in rows of at most
+    three, no wider than the site's column (``strip_frame_size``); returns the figure."""
     import matplotlib.pyplot as plt
 
     rows, cols = strip_layout(steps, per_row)
-    fig, axes = plt.subplots(rows, cols, figsize=(frame_size[0] * cols, frame_size[1] * rows),
-                             squeeze=False)
+    w, h = strip_frame_size(cols, frame_size)
+    fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False)
     for step, ax in enumerate(axes.flat):
         if step < steps:
             draw_frame(ax, step)
@@ -87,7 +113,7 @@ def step_frames(draw_frame: Callable[[Any, int], None], steps: int, *, label: st
         plt.show()
 
     def strip():
-        draw_strip(draw_frame, steps, per_row=per_row, title=title)
+        draw_strip(draw_frame, steps, frame_size=frame_size, per_row=per_row, title=title)
         plt.show()
 
     slider = widgets.IntSlider(value=0, min=0, max=steps - 1, description=label,
@@ -95,4 +121,5 @@ def step_frames(draw_frame: Callable[[Any, int], None], steps: int, *, label: st
     show_widget(widgets.interactive(one, **{label: slider}), strip)
 
 
-__all__ = ["RANK_COLORS", "rank_color", "strip_layout", "draw_strip", "step_frames"]
+__all__ = ["RANK_COLORS", "COLUMN_INCHES", "MAX_PER_ROW", "FRAME_TEXT_PT", "rank_color",
+           "strip_layout", "strip_frame_size", "draw_strip", "step_frames"]

@@ -109,11 +109,17 @@ def ring_steps(sends: list) -> list[dict]:
     return steps
 
 
+def _cell_label(have: list[int], world: int) -> str:
+    """What a rank's copy of a chunk holds: the ranks summed in it, "all" once complete
+    (the short label keeps the text at ``FRAME_TEXT_PT`` inside a third of the column)."""
+    return "all" if len(have) == world else "+".join(map(str, have))
+
+
 def draw_ring_step(ax, steps: list[dict], step: int) -> None:
     """One frame: the grid after ``steps[step]``, with that step's messages as arrows."""
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    from helpers.drawing import rank_color
+    from helpers.drawing import FRAME_TEXT_PT, rank_color
 
     data = steps[step]
     holds, world = data["holds"], len(data["holds"])
@@ -127,21 +133,28 @@ def draw_ring_step(ax, steps: list[dict], step: int) -> None:
             for q in have:  # rank q's bar sits at place q: a gap is a missing contribution
                 ax.add_patch(Rectangle((c - 0.4 + 0.8 * q / world, r - 0.33),
                                        0.8 / world, 0.14, color=rank_color(q), lw=0))
-            ax.text(c, r + 0.12, "+".join(map(str, have)), ha="center", va="center",
-                    fontsize=7)
+            ax.text(c, r + 0.12, _cell_label(have, world), ha="center", va="center",
+                    fontsize=FRAME_TEXT_PT)
     for src, dst, chunk, _ in data["messages"]:
-        bend = 0.35 if abs(dst - src) > 1 else 0.0  # the wrap-around hop curves aside
+        # the wrap-around hop (last rank to first) curves to the right of its column,
+        # where the frame leaves room for it (xlim below)
+        bend = 0.35 if abs(dst - src) > 1 else 0.0
         ax.add_patch(FancyArrowPatch((chunk + 0.25, src), (chunk + 0.25, dst),
                                      connectionstyle=f"arc3,rad={bend}", arrowstyle="-|>",
                                      mutation_scale=9, color=rank_color(src), lw=1.4,
                                      shrinkA=6, shrinkB=6))
-    ax.set_xlim(-0.6, world - 0.4)
+    # an arc of rad 0.35 over a span of (world - 1) rows bulges 0.35 * (world - 1) / 2
+    # sideways from the column's arrow at chunk + 0.25
+    right = max(world - 0.4, world - 1 + 0.25 + 0.35 * (world - 1) / 2 + 0.1)
+    ax.set_xlim(-0.6, right)
     ax.set_ylim(world - 0.5, -0.6)
-    ax.set_xticks(range(world), [f"chunk {c}" for c in range(world)], fontsize=7)
-    ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=7)
+    ax.set_xticks(range(world), [str(c) for c in range(world)], fontsize=FRAME_TEXT_PT)
+    ax.set_yticks(range(world), [str(r) for r in range(world)], fontsize=FRAME_TEXT_PT)
+    ax.set_xlabel("chunk", fontsize=FRAME_TEXT_PT, labelpad=1)
+    ax.set_ylabel("rank", fontsize=FRAME_TEXT_PT, labelpad=1)
     first = step if data["phase"] == "reduce-scatter" else step - (world - 1)
-    ax.set_title(f"{data['phase']}, step {first + 1} of {world - 1}", fontsize=9)
-    ax.tick_params(length=0)
+    ax.set_title(f"{data['phase']} {first + 1}/{world - 1}", fontsize=FRAME_TEXT_PT + 1)
+    ax.tick_params(length=0, pad=2)
     ax.grid(False)
     for side in ax.spines.values():
         side.set_visible(False)

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from helpers.drawing import draw_strip, rank_color, step_frames
+from helpers.drawing import FRAME_TEXT_PT, draw_strip, rank_color, step_frames
 
 __all__ = ["ring_data", "draw_ring_step", "draw_ring", "show_ring"]
+
+FRAME = (4.2, 4.4)   # one step's frame (inches): the slider's, and the strip's in two columns
 
 
 def ring_data(traces: list[list[dict]]) -> dict[str, Any]:
@@ -106,8 +108,10 @@ def draw_ring_step(ax, data: dict[str, Any], step: int) -> None:
             masked_c.append(colour)
     ax.imshow(image, extent=(0, seq, seq, 0), interpolation="nearest")
     if masked_q:
-        ax.scatter(np.array(masked_k) + 0.5, np.array(masked_q) + 0.5, s=2, marker="x",
-                   c=np.array(masked_c), linewidths=0.5)
+        # a cross a third of a cell wide: read as a cross, not a dot, at the strip's size
+        cell_pt = 72 * ax.get_position().width * ax.figure.get_figwidth() / seq
+        ax.scatter(np.array(masked_k) + 0.5, np.array(masked_q) + 0.5, marker="x",
+                   s=(cell_pt / 3) ** 2, c=np.array(masked_c), linewidths=0.8)
     for blk in data["steps"][step]:
         colour = rank_color(blk["rank"])
         for q0, nq in _runs(blk["q_pos"]):
@@ -118,17 +122,17 @@ def draw_ring_step(ax, data: dict[str, Any], step: int) -> None:
     ax.set_ylim(seq, 0)          # query 0 at the top, as a matrix is written
     ax.set_aspect("equal")
     ax.set_xticks([]), ax.set_yticks([])
-    ax.set_xlabel("key position", fontsize=7)
-    ax.set_ylabel("query position", fontsize=7)
+    ax.set_xlabel("key position", fontsize=FRAME_TEXT_PT)
+    ax.set_ylabel("query position", fontsize=FRAME_TEXT_PT)
     held = ", ".join(f"{b['rank']}:{b['owner']}" for b in data["steps"][step])
-    ax.set_title(f"step {step}: rank:block held {held}", fontsize=7)
+    ax.set_title(f"step {step}: rank:block {held}", fontsize=FRAME_TEXT_PT)
 
 
 def draw_ring(traces: list[list[dict]], *, title: str | None = None):
     """Every step side by side; returns ``(fig, data)`` with ``data = ring_data(traces)``."""
     data = ring_data(traces)
     fig = draw_strip(lambda ax, s: draw_ring_step(ax, data, s), len(data["steps"]),
-                     frame_size=(2.6, 2.8), title=title)
+                     frame_size=FRAME, title=title)
     return fig, data
 
 
@@ -136,5 +140,5 @@ def show_ring(traces: list[list[dict]], *, title: str | None = None) -> dict[str
     """A slider over the steps (``helpers.drawing.step_frames``); returns the data."""
     data = ring_data(traces)
     step_frames(lambda ax, s: draw_ring_step(ax, data, s), len(data["steps"]),
-                frame_size=(4.2, 4.4), title=title)
+                frame_size=FRAME, title=title)
     return data
