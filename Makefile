@@ -25,8 +25,10 @@
 #   make notebooks  re-execute course/ and solutions/ in place (outputs are committed)
 #   make bench      run the benchmarks and print their tables
 #   make site       the course as a static site in _build/site (from the committed outputs)
-#   make check-labs DIR=work [JOBS=4]   run every lab exercise's check in DIR (one learner's folder,
-#                   or one subfolder per learner): a pass/fail table and DIR/check_labs.csv
+#   make check-labs DIR=work [JOBS=4] [ARGS="--only ^0[1-3]_ --exercise-timeout 60"]
+#                   run every lab exercise's check in DIR (one learner's folder, or one
+#                   subfolder per learner): a pass/fail table and DIR/check_labs.csv;
+#                   ARGS: any other option of tools/check_labs.py (its --help)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -152,15 +154,23 @@ notebooks: setup
 bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-# The site group installs into the course's .venv, pinned like the rest (constraints.txt).
-site: setup
+# The site group installs into the course's .venv, pinned like the rest (constraints.txt),
+# once: a stamp records it, so a later make site only builds (pip again when
+# pyproject.toml or the constraints change, as for setup).
+SITE_STAMP := $(VENV)/.installed-site
+
+$(SITE_STAMP): $(STAMP) pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q -e ".[site]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
+	touch $(SITE_STAMP)
+
+site: setup $(SITE_STAMP)
 	$(BIN)/python tools/site/build.py
 
 DIR ?= work
 JOBS ?= 1
+ARGS ?=
 check-labs: setup
-	$(BIN)/python tools/check_labs.py $(DIR) --jobs $(JOBS)
+	$(BIN)/python tools/check_labs.py $(DIR) --jobs $(JOBS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(NEWEST) .pytest_cache
