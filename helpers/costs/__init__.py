@@ -28,13 +28,19 @@ collectives (``network``)
     (one GPU per node) get one NIC. ``all_to_all_time``: chapter 07's direct
     model. ``p2p_time``: one hop.
 
+rooflines (``roofline``)
+    ``ridge``, ``attainable``: Williams et al. 2009's two roofs; each parallelism's
+    threshold (``dp_tokens``, ``zero_tokens``, ``tp_hidden``, ``cp_tokens``,
+    ``pp_ratio``, ``ep_ffn``) derived from the byte counts above (Austin et al.
+    2025, "How to Scale Your Model", parts 1 and 5)
+
 Every function takes plain numbers (degrees, tokens, bytes), a ``ModelSpec``
 and a chapter-07 ``Topology``; the slow parts (placing a group on nodes, a
 model's state and activations) are cached on their arguments, so a planner can
 call them for ten thousand layouts (``clear_caches`` empties them).
 """
 
-from helpers.costs import axes, compute, memory, network
+from helpers.costs import axes, compute, memory, network, roofline
 from helpers.costs.axes import (NO_COST, AxisCost, cp_cost, dp_cost, dp_ops, ep_cost, pp_cost,
                                 tp_cost)
 from helpers.costs.compute import (attention_flops_per_token, bubble_time, compute_time,
@@ -55,7 +61,7 @@ __all__ = ["AxisCost", "NO_COST", "tp_cost", "pp_cost", "cp_cost", "ep_cost", "d
            "placement", "ring_steps", "inter_node_steps", "wire_factor", "sent_bytes",
            "nic_share", "ring_latency", "bus_bandwidth", "ring_time", "all_to_all_time",
            "collective_time", "p2p_time", "clear_caches", "axes", "compute", "memory",
-           "network"]
+           "network", "roofline"]
 
 
 def clear_caches() -> None:
