@@ -71,3 +71,28 @@ def test_an_unknown_event_is_refused():
     with pytest.raises(ValueError, match="unknown event"):
         bucket_events({"params": ["w"], "bytes": [4], "buckets": [[0]],
                        "sequence": [("oops", 0)]})
+
+
+@pytest.mark.slow
+def test_the_toy_gpts_buckets_read_in_the_sites_column():
+    # shown at natural size (no wider than the column), each name at FRAME_TEXT_PT and
+    # no longer than its box is tall (the full names at 6 pt came out at ~5 px)
+    import matplotlib.pyplot as plt
+
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT
+    from helpers.drawing.buckets import short_name
+
+    assert short_name("blocks.1.mlp.c_fc.weight") == "1.mlp.c_fc.w"
+    assert short_name("ln_f.bias") == "ln_f.b" and short_name("wte") == "wte"
+    fig, data = draw_bucket_launches(launch(_toy, 2)[0])
+    assert fig.get_size_inches()[0] <= COLUMN_INCHES + 1e-9
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    box_px = ax.transData.transform((0, 1))[1] - ax.transData.transform((0, 0))[1]
+    names = [t for t in ax.texts if t.get_rotation() == 90]
+    assert len(names) == len(data["arrivals"])
+    for t in names:
+        assert t.get_fontsize() >= FRAME_TEXT_PT
+        assert t.get_window_extent(renderer).height <= box_px, t.get_text()
+    plt.close(fig)

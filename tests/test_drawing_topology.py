@@ -65,3 +65,28 @@ def test_a_record_that_disagrees_with_the_topology_is_refused():
     topo = Topology("2x2", 2, 2, NVLINK4_H100, IB_NDR, nics_per_node=2)
     with pytest.raises(ValueError, match="gpus_per_node=2"):
         ring_hops(topo, [[(0, 1, 8, True)]])
+
+
+@pytest.mark.slow
+def test_three_rings_stacked_read_in_the_sites_column():
+    # chapter 07 stacks the three orders in one column-wide figure: every label, the
+    # NICs' byte counts included, at FRAME_TEXT_PT and inside its panel
+    import matplotlib.pyplot as plt
+
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT
+
+    topo = Topology("2x2", 2, 2, NVLINK4_H100, IB_NDR, nics_per_node=2)
+    fig, axes = plt.subplots(3, 1, figsize=(COLUMN_INCHES, 3 * 3.4))
+    for ax, order in zip(axes, ([0, 1, 2, 3], [0, 2, 1, 3], [0, 1, 3, 2])):
+        draw_ring_on_topology(topo, launch(_ring, 4, order, 2), title=str(order), ax=ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        box = ax.get_window_extent(renderer)
+        texts = [t for t in ax.texts if t.get_text()]
+        assert any(t.get_text().startswith("out: ") for t in texts)
+        for t in texts:
+            assert t.get_fontsize() >= FRAME_TEXT_PT
+            ext = t.get_window_extent(renderer)
+            assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1, t.get_text()
+    plt.close(fig)

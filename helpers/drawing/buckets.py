@@ -23,7 +23,7 @@ rank, as plain values:
 
 from __future__ import annotations
 
-__all__ = ["bucket_record", "bucket_events", "draw_bucket_launches", "bucket_color"]
+__all__ = ["bucket_record", "bucket_events", "draw_bucket_launches", "bucket_color", "short_name"]
 
 # bucket colours: not the rank colours (a bucket is not a rank), one per bucket
 _BUCKET_COLORS = ("#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#80b1d3", "#b3de69",
@@ -68,23 +68,40 @@ def bucket_events(record: dict) -> dict:
     return {"arrivals": arrivals, "launches": launches, "waited": waited}
 
 
+def short_name(name: str) -> str:
+    """A parameter's name as the picture prints it: ``blocks.1.mlp.c_fc.weight`` ->
+    ``1.mlp.c_fc.w`` (short enough to stand in its box at ``FRAME_TEXT_PT``)."""
+    name = name.removeprefix("blocks.")
+    for long, short in ((".weight", ".w"), (".bias", ".b")):
+        if name.endswith(long):
+            return name[: -len(long)] + short
+    return name
+
+
 def draw_bucket_launches(record: dict, title: str | None = None, ax=None):
     """The picture of the module docstring. Returns ``(fig, data)``, ``data`` being
-    ``bucket_events(record)``."""
+    ``bucket_events(record)``. No wider than the site's column, so that the gradients'
+    names are shown at ``FRAME_TEXT_PT``."""
     import matplotlib.pyplot as plt
+
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT
 
     data = bucket_events(record)
     arrivals, launches = data["arrivals"], data["launches"]
     n = len(arrivals)
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, max(6.5, 1.2 + 0.42 * n)), 3.2))
+        # 0.28 in a box holds a rotated 10-pt name; more boxes than the column holds at
+        # that width get narrower ones (the names then overlap: a model that large
+        # is better drawn with fewer, larger parameters)
+        _, ax = plt.subplots(figsize=(min(COLUMN_INCHES, max(5.0, 1.0 + 0.28 * n)), 4.2))
     for k, (name, b) in enumerate(arrivals):
         ax.add_patch(plt.Rectangle((k, 0), 0.92, 1, color=bucket_color(b)))
-        ax.text(k + 0.46, 0.5, name, rotation=90, ha="center", va="center", fontsize=6)
+        ax.text(k + 0.46, 0.5, short_name(name), rotation=90, ha="center", va="center",
+                fontsize=FRAME_TEXT_PT)
     for order, (b, after) in enumerate(launches):
         height = 1.25 + 0.3 * (order % 3)  # stagger labels of launches at one place
         ax.annotate(f"bucket {b}", xy=(after - 0.04, 1.0), xytext=(after - 0.04, height),
-                    ha="center", fontsize=7, color="black",
+                    ha="center", fontsize=FRAME_TEXT_PT, color="black",
                     arrowprops=dict(arrowstyle="-|>", color="black", lw=1),
                     bbox=dict(boxstyle="round,pad=0.2", fc=bucket_color(b), ec="none"))
     ax.set_xlim(-0.3, n + 0.5)
@@ -92,11 +109,12 @@ def draw_bucket_launches(record: dict, title: str | None = None, ax=None):
     ax.set_yticks([])
     ax.set_xticks([])
     ax.grid(False)
-    ax.set_xlabel("gradients in the order backward produced them (colour: bucket)\n"
-                  "arrow: that bucket's all-reduce starts", fontsize=8)
+    ax.set_xlabel("gradients in the order backward produced them (colour: bucket;\n"
+                  "blocks.i. shortened to i., .w weight, .b bias); "
+                  "arrow: that bucket's all-reduce starts", fontsize=FRAME_TEXT_PT)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title)
     ax.figure.tight_layout()
     return ax.figure, data

@@ -67,43 +67,47 @@ def draw_ring_on_topology(topo, sends: list, title: str | None = None, ax=None):
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-    from helpers.drawing import rank_color
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT, rank_color
 
     data = ring_hops(topo, sends)
     g, k = topo.gpus_per_node, topo.nics_per_node
     width = g * 1.3 + 0.4          # one node's box
     pos = {}                       # GPU -> centre of its box
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(5.0, 2.2 * topo.nodes * g / 2 + 1), 3.6))
+        _, ax = plt.subplots(figsize=(min(COLUMN_INCHES, max(5.0, 2.2 * topo.nodes * g / 2 + 1)),
+                                      3.6))
     for n, gpus in enumerate(data["nodes"]):
         x0 = n * (width + 0.8)
         ax.add_patch(FancyBboxPatch((x0, 0), width, 2.6, boxstyle="round,pad=0.05",
                                     fc="0.96", ec="0.5"))
-        ax.text(x0 + width / 2, 2.72, f"node {n}", ha="center", fontsize=8)
+        # at the box's left corner: the arrows within the node rise from the GPUs' middles
+        ax.text(x0, 2.72, f"node {n}", ha="left", fontsize=FRAME_TEXT_PT)
         ax.add_patch(plt.Rectangle((x0 + 0.2, 1.45), width - 0.4, 0.18, color="#6baed6"))
         ax.text(x0 + width / 2, 1.3, topo.intra.name.split(" (")[0], ha="center", va="top",
-                fontsize=6, color="#08519c")
+                fontsize=FRAME_TEXT_PT, color="#08519c")
         for i, gpu in enumerate(gpus):
             cx = x0 + 0.2 + 1.3 * i + 0.55
             pos[gpu] = (cx, 2.05)
             ax.add_patch(plt.Rectangle((cx - 0.45, 1.8), 0.9, 0.5, fc=rank_color(gpu),
                                        alpha=0.85, ec="k", lw=0.5))
-            ax.text(cx, 2.05, f"GPU {gpu}", ha="center", va="center", fontsize=7)
+            ax.text(cx, 2.05, f"GPU {gpu}", ha="center", va="center", fontsize=FRAME_TEXT_PT)
             ax.plot([cx, cx], [1.63, 1.8], color="#6baed6", lw=2)
         for j in range(k):
             served = gpus[j * g // k:(j + 1) * g // k]
             cx = sum(pos[q][0] for q in served) / len(served)
             ax.add_patch(plt.Rectangle((cx - 0.42, 0.35), 0.84, 0.4, fc="#fdd0a2", ec="k",
                                        lw=0.5))
-            ax.text(cx, 0.55, f"NIC {j}", ha="center", va="center", fontsize=6)
+            ax.text(cx, 0.55, f"NIC {j}", ha="center", va="center", fontsize=FRAME_TEXT_PT)
             sent = data["nic_bytes"][(n, j)]
-            ax.text(cx, 0.27, f"out: {_kb(sent)}", ha="center", va="top", fontsize=6,
+            ax.text(cx, 0.27, f"out: {_kb(sent)}", ha="center", va="top",
+                    fontsize=FRAME_TEXT_PT,
                     color="#a50f15" if sent else "0.4")
             for q in served:
                 ax.plot([pos[q][0], cx], [1.45, 0.75], color="#fdae6b", lw=1)
     total_width = topo.nodes * (width + 0.8) - 0.8
     ax.plot([0, total_width], [-0.45, -0.45], color="#fd8d3c", lw=3)
-    ax.text(total_width / 2, -0.55, topo.inter.name, ha="center", va="top", fontsize=7,
+    ax.text(total_width / 2, -0.55, topo.inter.name, ha="center", va="top",
+            fontsize=FRAME_TEXT_PT,
             color="#a63603")
     for src, dst, nbytes, crossed in data["hops"]:
         (x1, _), (x2, _) = pos[src], pos[dst]
@@ -124,6 +128,6 @@ def draw_ring_on_topology(topo, sends: list, title: str | None = None, ax=None):
     crossing = sum(c for *_, c in data["hops"])
     ax.set_title((title + "\n" if title else "")
                  + f"{crossing} of {len(data['hops'])} hops cross nodes; "
-                 f"{_kb(data['cross_bytes'])} through the network", fontsize=8)
+                 f"{_kb(data['cross_bytes'])} through the network", fontsize=FRAME_TEXT_PT + 1)
     ax.figure.tight_layout()
     return ax.figure, data
