@@ -37,3 +37,9 @@ def test_each_step_names_the_earlier_step_whose_amax_set_its_scale():
     # the spike at step 3 sets the scale of the next 3 steps, then leaves the window
     assert [d["from_step"] for d in data[4:8]] == [3, 3, 3, 6]
     assert data[3]["saturated"] and data[8]["saturated"]
+    # the legend names both bar colours: a red (saturated) bar must be readable
+    bars = {tuple(b.get_facecolor()) for b in fig.axes[0].patches}
+    handles = fig.axes[0].get_legend_handles_labels()[0]
+    legend_colors = {tuple(h.patches[0].get_facecolor()) for h in handles
+                     if hasattr(h, "patches")}
+    assert bars <= legend_colors, (bars, legend_colors)

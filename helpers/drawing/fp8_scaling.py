@@ -45,12 +45,17 @@ def scaling_data(record: list[dict], fp8_max: float = 448.0) -> list[dict[str, A
 def draw_amax_history(record: list[dict], *, fp8_max: float = 448.0, title: str | None = None):
     """See the module docstring; returns ``(fig, scaling_data(record, fp8_max))``."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     data = scaling_data(record, fp8_max)
-    fig, ax = plt.subplots(figsize=(9, 3))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     steps = [d["step"] for d in data]
-    ax.bar(steps, [d["amax"] for d in data], color=["#d62728" if d["saturated"] else "#bbbbbb"
-                                                    for d in data], label="amax of the step")
+    # two bar calls, so that the legend names both colours
+    for saturated, color, label in ((False, "#bbbbbb", "amax of the step"),
+                                    (True, "#d62728", "amax above its scale's (clamped)")):
+        chosen = [d for d in data if d["saturated"] == saturated]
+        ax.bar([d["step"] for d in chosen], [d["amax"] for d in chosen], color=color,
+               label=label)
     ax.plot(steps, [d["assumed"] for d in data], "o", color="#1f77b4", ms=4,
             label="amax its scale assumed (fp8_max / scale)")
     for d in data:
@@ -62,7 +67,9 @@ def draw_amax_history(record: list[dict], *, fp8_max: float = 448.0, title: str 
     ax.set_ylabel("amax")
     values = [d["amax"] for d in data] + [d["assumed"] for d in data]
     ax.set_ylim(0.9 * min(values), 1.05 * max(values))   # the differences, not the zero
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole
+    # under the axes, across: beside them it took half the figure's width
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
