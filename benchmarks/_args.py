@@ -28,3 +28,25 @@ def at_least(args, name: str, low: float, why: str) -> None:
     value = getattr(args, name.replace("-", "_"))
     if value < low:
         raise ValueError(f"--{name} must be >= {low} ({why}), got {value}")
+
+
+SHAPES = ("auto", "cpu", "gpu")
+
+
+def add_shapes_flag(ap) -> None:
+    """``--shapes {auto,cpu,gpu}``: the problem sizes a benchmark times. GPU shapes are
+    what a GPU is built for (an H100 needs thousands to fill it) and would take hours
+    on a laptop's CPU; CPU shapes finish in seconds there and say nothing about a GPU."""
+    ap.add_argument("--shapes", choices=SHAPES, default="auto",
+                    help="problem sizes: cpu (seconds on a laptop), gpu (fill a GPU), "
+                         "auto (gpu where torch sees CUDA, else cpu; the default)")
+
+
+def shapes(args) -> str:
+    """"cpu" or "gpu": what ``--shapes`` asked for, auto resolved by torch.cuda.is_available()."""
+    if args.shapes not in SHAPES:
+        raise ValueError(f"--shapes must be one of {SHAPES}, got {args.shapes!r}")
+    if args.shapes != "auto":
+        return args.shapes
+    import torch
+    return "gpu" if torch.cuda.is_available() else "cpu"

@@ -1,10 +1,13 @@
 """FP8 (torch._scaled_mm) vs bf16 GEMM time, and FP8Linear vs nn.Linear fwd+bwd.
 
-    python benchmarks/bench_fp8.py [--sizes 256 512 1024] [--reps N]
+    python benchmarks/bench_fp8.py [--shapes auto|cpu|gpu] [--sizes 64 128 256] [--reps N]
 
-On CPU ``_scaled_mm`` is a reference kernel: expect FP8 to be *slower* than bf16 there.
-On a CUDA GPU with FP8 tensor cores (compute capability >= 8.9) the same script also
-runs 8192^3 and prints a verdict against the course's target: FP8 >= 1.6x faster than
+On CPU ``_scaled_mm`` is a reference kernel: expect FP8 to be *slower* than bf16 there,
+and slow in itself (a quarter of a second for one 256^3 GEMM on a laptop core), so the
+CPU shapes (the default without CUDA) stop at 256^3 and one small layer. The GPU shapes
+(the default on a CUDA GPU; ``--shapes gpu`` forces them) are 256-1024^3, 8192^3 and
+five layers up to a 70B-class MLP. On a GPU with FP8 tensor cores (compute capability
+>= 8.9) the script then prints a verdict against the course's target: FP8 >= 1.6x faster than
 bf16 on an H100 (the peak rate ratio is 2x, 1979 vs 989 dense TFLOP/s for H100 SXM in
 NVIDIA's H100 datasheet; 1.6x leaves room for what a real GEMM does not get).
 
@@ -24,6 +27,7 @@ import statistics
 
 import torch
 
+from _args import add_shapes_flag, shapes  # (benchmarks/ is on sys.path)
 from helpers.clock import clock_for, elapsed
 from helpers.precision import E4M3, FP8_GEMM, FP8Linear, scaled_mm_available
 
@@ -36,6 +40,9 @@ LAYERS = [(1024, 4096, 8192), (4096, 4096, 8192), (8192, 8192, 8192), (8192, 286
 # What FP8 training must give on an H100 to be worth teaching: faster on a large
 # layer, and no slower on a mid-sized one.
 LAYER_GOALS = {(8192, 28672, 8192): 1.3, (4096, 4096, 8192): 1.0}
+# --shapes: GEMM sizes n (n^3) and layers; the CPU's stay under a second per call on a laptop
+SIZES = {"gpu": [256, 512, 1024, TARGET_N], "cpu": [64, 128, 256]}
+LAYER_SHAPES = {"gpu": LAYERS, "cpu": [(64, 128, 256)]}
 
 
 def timeit(fn, reps: int, device: str, warmup: int, repeats: int = 5) -> float:
@@ -63,12 +70,17 @@ def timeit(fn, reps: int, device: str, warmup: int, repeats: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="GEMM sizes n (n^3); default by --shapes: 64 128 256 on cpu, "
+                         "256 512 1024 8192 on gpu")
+    add_shapes_flag(ap)
     ap.add_argument("--reps", type=int, default=None,
                     help="calls per timed repeat (default 3 on CPU, 20 on CUDA)")
     args = ap.parse_args(argv)
-    if any(n < 16 or n % 16 for n in args.sizes):
-        raise ValueError(f"--sizes must be multiples of 16 (cuBLAS FP8 GEMMs), got {args.sizes}")
+    kind = shapes(args)
+    sizes = args.sizes if args.sizes is not None else SIZES[kind]
+    if any(n < 16 or n % 16 for n in sizes):
+        raise ValueError(f"--sizes must be multiples of 16 (cuBLAS FP8 GEMMs), got {sizes}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reps = args.reps if args.reps is not None else (20 if device == "cuda" else 3)
     if reps < 1:
@@ -78,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"torch._scaled_mm with FP8 inputs is not available on {device} (on CUDA it "
               f"needs compute capability >= 8.9); nothing to time")
         return
-    sizes = sorted(set(args.sizes) | ({TARGET_N} if device == "cuda" else set()))
+    sizes = sorted(set(sizes))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"device {device} ({name}), torch {torch.__version__}, median of 5 x {reps} calls")
+    print(f"device {device} ({name}), torch {torch.__version__}, {kind} shapes, "
+          f"median of 5 x {reps} calls")
     print(f"{'n (n^3 GEMM)':>12s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'fp8 fast ms':>12s} "
           f"{'fp8 speedup':>12s} {'fast speedup':>13s} {'bf16 TFLOP/s':>13s} "
           f"{'fp8 TFLOP/s':>12s} {'fast TFLOP/s':>13s}")
@@ -107,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{flops / t_f8 / 1e12:12.3g} {flops / t_ff / 1e12:13.3g}")
         del abf, bbf, a8, b8, bt8
     # whole layers: quantize + 3 GEMMs + amax bookkeeping, forward and backward
-    layers = LAYERS if device == "cuda" else [(64, 128, 256)]   # CPU: _scaled_mm is a slow reference
+    layers = LAYER_SHAPES[kind]
     print(f"\n{'layer in x out, tokens':>24s} {'nn.Linear bf16':>15s} {'FP8Linear':>10s} "
           f"{'fused':>8s} {'FP8Linear speed':>16s} {'fused speed':>12s}   (fwd+bwd, ms)")
     layer_ratios = {}
@@ -128,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
           f"operand in one torch.compile'd kernel)")
     if device == "cuda":
         for shape, want in LAYER_GOALS.items():
-            best = max(layer_ratios.get(shape, (0, 0)))
+            if shape not in layer_ratios:  # (--shapes cpu on a GPU: not timed)
+                continue
+            best = max(layer_ratios[shape])
             print(f"FP8Linear at {shape[0]} x {shape[1]}, {shape[2] // 1024}k tokens: "
                   f"{best:.2f}x bf16 (goal >= {want}x): {'met' if best >= want else 'NOT met'}")
     if device == "cuda" and TARGET_N in ratios:

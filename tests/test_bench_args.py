@@ -44,3 +44,51 @@ def test_benchmark_refuses_bad_arguments(name, argv, message, load_bench, monkey
         monkeypatch.setattr(bench, "build_model", lambda *a, **k: pytest.fail("model built"))
     with pytest.raises(ValueError, match=message):
         bench.main(argv)
+
+
+@pytest.mark.parametrize("cuda, flag, want", [
+    (False, "auto", "cpu"), (True, "auto", "gpu"), (False, "gpu", "gpu"), (True, "cpu", "cpu")])
+def test_shapes_follow_the_device_unless_forced(cuda, flag, want, load_bench, monkeypatch):
+    import argparse
+
+    import torch
+    load_bench("bench_gemm")  # puts benchmarks/ on sys.path for _args
+    from _args import shapes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert shapes(argparse.Namespace(shapes=flag)) == want
+
+
+def _gemm_rows(bench, argv, capsys):
+    """(hidden, tokens, tp) of every row bench_gemm prints, its GEMMs not run."""
+    bench.gemm_rates = lambda m, k, n, device, reps: (1e12, float("nan"))
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return lines[0], {tuple(int(v) for v in line.split()[:3]) for line in lines[2:]}
+
+
+def test_gemm_sizes_by_shapes(load_bench, monkeypatch, capsys):
+    import torch
+    bench = load_bench("bench_gemm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    head, rows = _gemm_rows(bench, [], capsys)  # a laptop: seconds, not the H100's hours
+    assert "cpu shapes" in head and "x 2 calls" in head
+    assert {h for h, _, _ in rows} == {512, 1024} and {t for _, t, _ in rows} == {256}
+    head, rows = _gemm_rows(bench, ["--shapes", "gpu"], capsys)
+    assert "gpu shapes" in head and "x 10 calls" in head
+    assert {h for h, _, _ in rows} == {4096, 8192} and {p for _, _, p in rows} == {1, 2, 4, 8}
+    _, rows = _gemm_rows(bench, ["--shapes", "gpu", "--hidden", "256", "--tp", "2"], capsys)
+    assert rows == {(256, t, 2) for t in (2048, 8192)}  # a flag given wins, the others follow --shapes
+
+
+def test_fp8_cpu_shapes_by_default(load_bench, monkeypatch, capsys):
+    import torch
+    bench = load_bench("bench_fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "timeit", lambda *a, **k: 1e-3)  # nothing is timed
+    bench.main([])
+    out = capsys.readouterr().out
+    assert "cpu shapes" in out
+    gemms, layers = out.split("\n\n")[:2]  # two tables: n^3 GEMMs, then layers
+    assert [int(line.split()[0]) for line in gemms.splitlines()[2:]] == [64, 128, 256]
+    assert len(layers.splitlines()) == 3 and "64 x 128, 256" in layers  # header, 1 layer, paths
+    # (--shapes gpu: 8192^3 and a 70B-class MLP, not run here: gigabytes)  # 1024^3 on the CPU's reference FP8 kernel: ~17 s a call on a laptop
