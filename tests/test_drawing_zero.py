@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import launch  # noqa: E402
+from helpers.drawing import FRAME_TEXT_PT  # noqa: E402
 from helpers.drawing.zero import STATES, draw_holdings, held_fraction  # noqa: E402
 
 WORLD = 3   # odd: every bucket is padded
@@ -66,6 +67,12 @@ def test_the_picture_draws_what_the_ranks_recorded(records, stage):
     total = res[0]["total"]
     frames = [(f"stage {stage}, {m}", [r["held"][m] for r in res]) for m in ("forward", "backward")]
     fig, data = draw_holdings(frames, total)
+    # every frame carries its key (the slider shows one frame alone), and its text is
+    # no smaller than the strips' smallest readable size
+    for ax in fig.axes:
+        assert ax.get_xlabel() == "each rank, top to bottom: weights, grads, optimizer"
+        for text in [ax.title, ax.xaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()]:
+            assert text.get_fontsize() >= FRAME_TEXT_PT, text
     plt.close(fig)
     assert data["total"] == total
     for (label, ranks), drawn in zip(frames, data["frames"]):

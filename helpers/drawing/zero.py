@@ -24,7 +24,7 @@ the strip as the stored picture.
 
 from __future__ import annotations
 
-from helpers.drawing import draw_strip, rank_color, step_frames
+from helpers.drawing import FRAME_TEXT_PT, draw_strip, rank_color, step_frames
 
 __all__ = ["STATES", "draw_holdings_frame", "draw_holdings", "show_holdings", "held_fraction"]
 
@@ -52,10 +52,12 @@ def draw_holdings_frame(ax, label: str, per_rank: list[dict], total: int) -> Non
     ax.set_xlim(0, total)
     ax.set_ylim(0, n)
     ax.set_yticks([n - 1 - r + 0.5 for r in range(n)], [f"rank {r}" for r in range(n)],
-                  fontsize=7)
-    ax.set_xticks([0, total], ["0", f"{total:,}"], fontsize=7)
+                  fontsize=FRAME_TEXT_PT)
+    ax.set_xticks([0, total], ["0", f"{total:,}"], fontsize=FRAME_TEXT_PT)
+    # the key of every frame, so that one frame alone (the slider's) reads by itself
+    ax.set_xlabel("each rank, top to bottom: " + ", ".join(STATES), fontsize=FRAME_TEXT_PT)
     ax.tick_params(length=0)
-    ax.set_title(label, fontsize=8)
+    ax.set_title(label, fontsize=FRAME_TEXT_PT)
     for side in ax.spines.values():
         side.set_visible(False)
 
@@ -65,8 +67,8 @@ def _legend(fig) -> None:
     handles = [Patch(facecolor="grey", alpha=_ALPHA[s],
                      label=f"{s} (bar {i + 1} of each rank)") for i, s in enumerate(STATES)]
     handles.append(Patch(facecolor="#eeeeee", label="not held"))
-    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False,
-               bbox_to_anchor=(0.5, 0.0))
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=FRAME_TEXT_PT,
+               frameon=False, bbox_to_anchor=(0.5, 0.0))
 
 
 def draw_holdings(frames: list[tuple[str, list[dict]]], total: int, *, per_row: int = 3,
