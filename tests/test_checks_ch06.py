@@ -109,6 +109,16 @@ class TestChapter06(ChapterChecks):
               "integer division in 5as/h", says=r"s=100, b=2, h=96, a=6.*true division"),
         Wrong("activation_bytes", lambda s, b, h, a: s * h * (34 * b + 5 * a * s / h),
               "attention term without the batch", says="scales with the batch"),
+        Wrong("activation_bytes", lambda s, b, h, a: s * b * h * (33 + 5 * a * s / h),
+              "one dropout mask left out (33 sbh)",
+              says=r"33 sbh \+ 5 a s\^2 b.*1 sbh fewer.*dropout mask"),
+        Wrong("activation_bytes", lambda s, b, h, a: s * b * h * (34 + 6 * a * s / h),
+              "a 2-byte attention dropout mask (6 as^2b)",
+              says=r"1 a s\^2 b more.*attention dropout mask.*1 byte an element"),
+        Wrong("activation_bytes", lambda s, b, h, a: 2 * s * b * h * (34 + 5 * a * s / h),
+              "4-byte activations (everything x2)", says="Both terms are 2x the paper's"),
+        Wrong("activation_bytes", lambda s, b, h, a: s * b * h * (26 + 5 * a * s / h),
+              "the GeLU's input left out (26 sbh)", says=r"8 sbh fewer.*the GeLU's input"),
         Wrong("saved_bytes", _params_by_id, "parameters excluded by id()",
               says="excluded by their storage"),
         Wrong("saved_bytes", _pack_returns_nothing, "the pack hook returns nothing",
@@ -135,3 +145,8 @@ class TestChapter06(ChapterChecks):
               lambda n, dp, stage: model_state_bytes(n, dp=dp, zero_stage=stage).total,
               "helpers.memory's model_state_bytes"),
     ]
+
+
+def test_the_named_terms_add_up_to_the_papers_coefficients():
+    # the hint names terms by size: they must be Korthikanti et al.'s 34 sbh and 5 a s^2 b
+    assert sum(ch06._SBH_TERMS.values()) == 34 and sum(ch06._AS2B_TERMS.values()) == 5

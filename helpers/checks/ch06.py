@@ -86,6 +86,9 @@ def check_activation_bytes(learner_fn) -> None:
     * integer division in 5as/h (``5 * a * s // h``): (100, 2, 96, 6), where 5as/h =
       31.25 is not a whole number (in the GPT-3-like shapes it always is);
     * the attention term without the batch, or with h where s belongs: wrong values;
+    * a count of the right shape with a term off (33 sbh: a dropout mask left out; 6 as^2b:
+      a 2-byte mask; everything x2: 4-byte values): the two coefficients are solved from
+      the five shapes and the one that is off is named, with the terms of that size;
     * None or an exception: named with the case.
     """
     cases = [(2048, 1, 12288, 96), (1024, 4, 4096, 32), (32, 8, 64, 4), (4096, 1, 8192, 64),
@@ -95,14 +98,74 @@ def check_activation_bytes(learner_fn) -> None:
         want = activation_bytes_per_layer(s, b, h, a)
         if isinstance(got, (int, float)) and not isinstance(got, bool) and \
                 abs(got - want) > 1e-9 * abs(want):
-            raise CheckFailed(_activation_hint(got, s, b, h, a))
+            raise CheckFailed(_activation_hint(got, s, b, h, a,
+                                               _coefficient_hint(learner_fn, cases)))
         expect_close(got, want, f"activation bytes for s={s}, b={b}, h={h}, a={a}", rel=1e-9)
     passed(f"activation bytes per layer: s*b*h*(34 + 5*a*s/h) on {len(cases)} shapes, one "
            f"where 5as/h is not a whole number")
 
 
-def _activation_hint(got, s, b, h, a) -> str:
-    """Which part of Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) (2022, sec. 4.1) is off."""
+# Korthikanti et al. 2022, sec. 4.1, 16-bit activations, dropout masks 1 byte an element:
+# the sbh terms (34 in all) and the a s^2 b terms (5 in all), each named, so that a count
+# off by one term's size can say which terms have that size.
+_SBH_TERMS = {"the LayerNorm inputs": 4, "the QKV input": 2, "Q and K": 4, "V": 2,
+              "the attention projection's input": 2, "the attention output's dropout mask": 1,
+              "the MLP's input": 2, "the GeLU's input": 8, "the GeLU's output": 8,
+              "the MLP output's dropout mask": 1}
+_AS2B_TERMS = {"the softmax output": 2, "the attention dropout mask": 1,
+               "the dropout output (the scores V multiplies)": 2}
+
+
+def _sizes_named(terms: dict, diff: float) -> str:
+    """The terms, or pairs of terms, whose coefficients add up to ``|diff|``."""
+    names, diff = list(terms), round(abs(diff), 6)
+    one = [n for n in names if terms[n] == diff]
+    two = [f"{x} and {y}" for i, x in enumerate(names) for y in names[i + 1:]
+           if terms[x] + terms[y] == diff]
+    fits = one + two[:3]
+    return f" ({' or '.join(fits)}?)" if fits else ""
+
+
+def _coefficient_hint(learner_fn, cases) -> str:
+    """When the learner's count is some c1 * sbh + c2 * a s^2 b on every case (a formula
+    of the right shape with a wrong term), solve for c1 and c2 from the five shapes and
+    name the term that is off; otherwise nothing."""
+    import numpy as np
+
+    got = []
+    for s, b, h, a in cases:
+        try:
+            value = learner_fn(s, b, h, a)
+        except Exception:  # noqa: BLE001 - the per-case hint has already named the case
+            return ""
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return ""
+        got.append(float(value))
+    design = np.array([[s * b * h, a * s * s * b] for s, b, h, a in cases], dtype=float)
+    (c1, c2), *_ = np.linalg.lstsq(design, np.array(got), rcond=None)
+    # the five shapes determine c1 and c2; a count of another shape leaves a residual
+    if not np.allclose(design @ (c1, c2), got, rtol=1e-9, atol=0):
+        return ""
+    parts = [f" Over the five shapes your count is {c1:.4g} sbh + {c2:.4g} a s^2 b (the "
+             f"paper, Korthikanti et al. 2022, sec. 4.1: 34 sbh + 5 a s^2 b)."]
+    if abs(c1 / 34 - c2 / 5) < 1e-9 and abs(c1 - 34) > 1e-9:
+        return parts[0] + (f" Both terms are {c1 / 34:.4g}x the paper's: the paper counts "
+                           f"2 bytes a value (16-bit activations) and 1 byte a mask element.")
+    if abs(c1 - 34) > 1e-9:
+        what = "more" if c1 > 34 else "fewer"
+        parts.append(f" The linear-layer term has {abs(c1 - 34):.4g} sbh {what} than it "
+                     f"should{_sizes_named(_SBH_TERMS, c1 - 34)}.")
+    if abs(c2 - 5) > 1e-9:
+        what = "more" if c2 > 5 else "fewer"
+        parts.append(f" The attention term has {abs(c2 - 5):.4g} a s^2 b {what} than it "
+                     f"should{_sizes_named(_AS2B_TERMS, c2 - 5)}; a dropout mask is 1 byte "
+                     f"an element.")
+    return "".join(parts)
+
+
+def _activation_hint(got, s, b, h, a, coefficients: str = "") -> str:
+    """Which part of Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) (2022, sec. 4.1) is off
+    (``coefficients``: ``_coefficient_hint``'s sentence, used when no slip below fits)."""
     want = activation_bytes_per_layer(s, b, h, a)
     head = (f"activation bytes for s={s}, b={b}, h={h}, a={a}: got {got:,.6g}, expected "
             f"{want:,.6g} = s*b*h*(34 + 5*a*s/h).")
@@ -115,8 +178,8 @@ def _activation_hint(got, s, b, h, a) -> str:
                        "//.")
     if abs(got - s * h * (34 * b + 5 * a * s / h)) <= 1e-9 * want:
         return head + " The attention term scales with the batch too: 5 a s^2 b."
-    return head + (" Check each term: 34 s b h for the linear layers, 5 a s^2 b for "
-                   "attention (Korthikanti et al. 2022, sec. 4.1).")
+    return head + (coefficients or " Check each term: 34 s b h for the linear layers, "
+                   "5 a s^2 b for attention (Korthikanti et al. 2022, sec. 4.1).")
 
 
 def _cases():
