@@ -15,7 +15,7 @@ that full-size buffer as input; at most one is kept in flight, and it is
 retired when the next unit's starts, so those buffers do not add up over the
 depth. When backward ends (a callback queued on the autograd engine) every
 unit that got no gradient reduces zeros, the last reduce-scatter is waited
-for, and under hybrid sharding (sec. 3.4) each chunk is all-reduced across the
+for, and under hybrid sharding (sec. 3.2.2) each chunk is all-reduced across the
 replicate group: only 1/S of the gradient's bytes cross the slow links.
 
 The optimizer is PyTorch's own: each unit's shard is an ``nn.Parameter``

@@ -1,7 +1,7 @@
 """Hybrid sharding (HSDP): shard inside a group of ranks, replicate across groups.
 
 Chapter 15, section "Hybrid sharding on 4 ranks". Zhao et al. 2023 ("PyTorch
-FSDP", sec. 3.4): shard each unit inside a shard group (a node, fast links)
+FSDP", sec. 3.2.2): shard each unit inside a shard group (a node, fast links)
 and keep one copy of those shards in every shard group. The ranks form one
 grid of shape (replicate, shard): a row is a shard group, a column a
 replicate group. Gradients are reduce-scattered in the row, then each chunk
