@@ -210,8 +210,10 @@ def ddp_timeline(ddp_events: list[dict], backward_start: float, backward_end: fl
     return out
 
 
+# a wait keeps its word: "W" is chapter 12's weight-gradient action, and the wait lane is
+# named on the axis anyway
 _SHORT = {"forward": "F", "backward": "B", "all-gather": "AG", "reduce-scatter": "RS",
-          "all-reduce": "AR", "wait": "W"}
+          "all-reduce": "AR", "wait": "wait"}
 
 
 def short_label(name: str) -> str:
@@ -258,8 +260,8 @@ def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
             yticks.append(y)
             labels.append(f"rank {r} {lane}")
     ax.set_yticks(yticks, labels)
-    ax.set_xlabel("ms  (F/B forward/backward of a unit, AG all-gather, RS reduce-scatter, "
-                  "AR all-reduce; number = unit or bucket)")
+    ax.set_xlabel("ms   F/B forward/backward of a unit, AG all-gather, RS reduce-scatter,\n"
+                  "AR all-reduce (number: unit or bucket); wait: the training thread blocked")
     if title:
         ax.set_title(title)
     return ax

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers import launch, rank_info
-from helpers.overlap import Timeline, ddp_timeline, exposed_comm, export_trace, union_length
+from helpers.overlap import (Timeline, ddp_timeline, exposed_comm, export_trace, short_label,
+                             union_length)
 
 
 def test_union_length_and_exposed():
@@ -173,3 +174,13 @@ def test_future_less_reduce_scatter_ends_when_it_completes():
     for r in launch(_reduce_scatter_span, 2, 1.0, timeout=60):
         assert torch.equal(r["out"], torch.full((4,), 2.0))
         assert r["end"] < r["t_wait"], "span closed at the wait, not at completion"
+
+
+def test_short_labels_name_each_span_once():
+    """A bar's label: the collective and its unit or bucket; a wait keeps its word
+    ("W" would read as chapter 12's weight-gradient action)."""
+    assert short_label("all-gather blocks.1") == "AG1"
+    assert short_label("backward blocks.2") == "B2"
+    assert short_label("all-reduce bucket 3") == "AR3"
+    assert short_label("all-gather root") == "AG root"
+    assert short_label("wait for buckets") == "wait"
