@@ -231,6 +231,18 @@ def test_a_rank_that_prints_too_much_is_cut_short_with_where_the_rest_is(capsys)
     assert captured.out.count("] line ") == 6 and "[launch]" not in captured.err
 
 
+def _one_long_line():
+    print("x" * 1_000_000)
+
+
+def test_one_line_too_long_to_show_is_not_said_to_be_shown(capsys):
+    """The note says what reached the screen: here nothing did."""
+    launch(_one_long_line, 1)
+    err = capsys.readouterr().err
+    note = [ln for ln in err.splitlines() if ln.startswith("[launch] rank 0 printed 1 line ")]
+    assert len(note) == 1 and "none of it is shown above" in note[0], err[-500:]
+
+
 def _listening_sockets_of_this_process() -> set[str]:
     """Inodes of TCP sockets in LISTEN state (st 0A) that this process holds open."""
     listening = set()
@@ -419,6 +431,37 @@ def test_deadlock_missing_collective_names_the_stuck_rank():
     assert err.value.ranks == [0] and "rank(s) [0] did not finish" in str(err.value)
     assert elapsed < 2 + 10  # timeout plus server start-up and a few seconds
     assert_no_ranks()
+
+
+def _one_rank_sleeps():
+    t = torch.ones(2)
+    if rank_info().rank == 2:
+        time.sleep(60)  # the odd one out
+    dist.all_reduce(t)
+
+
+def test_timeout_says_where_each_rank_was_and_which_is_elsewhere():
+    """Every rank is unfinished when one sleeps and the others wait for it in an
+    all-reduce; the stacks the ranks dump at the deadline tell them apart."""
+    with pytest.raises(RankTimeout) as err:
+        launch(_one_rank_sleeps, 4, timeout=4)
+    text = str(err.value)
+    assert err.value.ranks == [0, 1, 2, 3] and err.value.rank == 2, text
+    assert "rank 2: " in text and "time.sleep(60)" in text, text
+    assert "ranks 0, 1, 3: " in text and "torch.distributed.all_reduce" in text, text
+    assert "Rank 2 is the only one elsewhere" in text, text
+    assert_no_ranks()
+
+
+def test_timeout_names_no_odd_rank_when_two_wait_for_each_other():
+    def fn():
+        buf = torch.zeros(1)
+        dist.recv(buf, src=1 - rank_info().rank)
+
+    with pytest.raises(RankTimeout) as err:
+        launch(fn, 2, timeout=2)
+    assert "only one elsewhere" not in str(err.value)  # two places or one: no culprit
+    assert "torch.distributed.recv" in str(err.value), str(err.value)
 
 
 def test_deadlock_mismatched_send_recv_names_both_ranks():
@@ -747,6 +790,7 @@ KERNEL_SCRIPT = textwrap.dedent("""
     print("IDLE SERVER KEPT", L._POOL is server and server.alive(), flush=True)
     print("RESULT", launch(lambda: 7, 2), L._POOL is server, flush=True)
     print("SERVER", server.proc.pid, flush=True)
+    print("RUNDIR", server.rundir, flush=True)
     launch(lambda: print("RANK", os.getpid(), flush=True) or time.sleep(60), 2)
 """)
 
@@ -775,6 +819,12 @@ def test_idle_server_ignores_the_kernels_sigint_and_dies_with_the_kernel(tmp_pat
     while any(parent_of(p) is not None for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(parent_of(p) is None for p in pids), "server or ranks outlived the kernel"
+    # the kernel could not remove the ranks' meeting folder: the server did, as it went
+    rundir = next(line.split(maxsplit=1)[1].strip() for line in lines if line.startswith("RUNDIR"))
+    deadline = time.monotonic() + 5
+    while os.path.exists(rundir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(rundir), f"{rundir} outlived the kernel"
 
 
 # --------------------------------------------------------------------------

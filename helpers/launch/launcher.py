@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from helpers.launch import hooks
+from helpers.launch import hooks, stacks
 from helpers.launch import nccl_rules as nccl_rules_mode
 from helpers.launch.arguments import check_args, resolve_backend
 from helpers.launch.errors import RankError, RankTimeout, describe_exit, is_root_cause, raise_root_cause
@@ -125,6 +125,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
             for c in conns:
                 c.close()
             hooks.remove_records(rundir, generation, world_size)  # if any rank wrote one
+            stacks.remove(rundir, generation, world_size)
+            pool.pids.pop(generation, None)
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(rundir, f"launch{generation}.store"))
             for out in outputs:
@@ -183,6 +185,7 @@ class RankOutput:
     def __init__(self, generation: int, rank: int):
         self.generation, self.rank = generation, rank
         self.lines = self.chars = 0
+        self.shown_lines = self.shown_chars = 0  # what reached the caller's screen
         self.shown: list[str] = []  # what was streamed, until a file takes over
         self.file = None
         self.path: str | None = None
@@ -192,6 +195,7 @@ class RankOutput:
         self.chars += len(text)
         if self.file is None and self.lines <= SHOWN_LINES and self.chars <= SHOWN_BYTES:
             self.shown.append(text)
+            self.shown_lines, self.shown_chars = self.lines, self.chars
             stream = sys.stdout if stream_name == "stdout" else sys.stderr
             stream.write(text)
             stream.flush()
@@ -209,14 +213,22 @@ class RankOutput:
             return
         self.file.close()
         self.file = None
-        sys.stderr.write(f"[launch] rank {self.rank} printed {self.lines:,} lines "
-                         f"({self.chars:,} characters); only the first {SHOWN_LINES:,} lines "
-                         f"(at most {SHOWN_BYTES:,} characters) are shown above. All of it is "
-                         f"in {self.path}\n")
+        if self.shown_chars:
+            shown = (f"only the first {_count(self.shown_lines, 'line')} "
+                     f"({self.shown_chars:,} characters) are shown above")
+        else:
+            shown = (f"none of it is shown above (the screen takes at most {SHOWN_LINES:,} "
+                     f"lines or {SHOWN_BYTES:,} characters)")
+        sys.stderr.write(f"[launch] rank {self.rank} printed {_count(self.lines, 'line')} "
+                         f"({self.chars:,} characters); {shown}. All of it is in {self.path}\n")
         sys.stderr.flush()
 
 
 _OUTPUT_DIR: list[str] = []
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def output_file(generation: int, rank: int) -> str:
@@ -310,18 +322,36 @@ def _collect(pool: Pool, conns: list[mpc.Connection], generation: int,
         if failures:
             raise_root_cause(failures, unknown=sorted(set(range(n)) - set(results)))
         unfinished = sorted(set(range(n)) - set(results))
-        done = sorted(results)
-        raise RankTimeout(
-            f"rank(s) {unfinished} did not finish within the timeout"
-            f"{f' (rank(s) {done} did)' if done else ''}. This is usually a deadlock: a "
-            f"collective or send/recv that not every rank called, or called in a different "
-            f"order. All ranks were stopped.", unfinished)
+        raise _timeout(pool, generation, unfinished, sorted(results))
     except RankError as err:
         # The ranks still run (they are killed after this): what they wrote so far.
         recorded = hooks.read_records(pool.rundir, generation, n)
         if any(recorded.values()):
             hooks.report_failure(err, recorded, _rank_status(n, results, failures))
         raise
+
+
+def _timeout(pool: Pool, generation: int, unfinished: list[int], done: list[int]) -> RankTimeout:
+    """The ranks still running at the deadline, and where each one was: a rank
+    that is somewhere the others are not is usually the one to look at."""
+    pids = pool.pids.get(generation, {})
+    found = stacks.where({r: pids[r] for r in unfinished if r in pids}, pool.rundir, generation)
+    places, odd = stacks.summarise(found, unfinished)
+    text = (f"rank(s) {unfinished} did not finish within the timeout"
+            f"{f' (rank(s) {done} did)' if done else ''}.")
+    if places:
+        text += f" Where they were:\n{places}\n"
+        if odd is not None:
+            text += (f"Rank {odd} is the only one elsewhere: start there (the others wait "
+                     f"for it). ")
+    else:
+        text += " "
+    text += ("This is usually a deadlock: a collective or send/recv that not every rank "
+             "called, or called in a different order. All ranks were stopped.")
+    err = RankTimeout(text, unfinished)
+    if odd is not None:
+        err.rank = odd
+    return err
 
 
 def _rank_status(n: int, results: dict, failures: list) -> dict[int, str]:

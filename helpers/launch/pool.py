@@ -14,7 +14,8 @@ port anyone on the machine can connect to and write keys into; on a shared
 workshop node another user could join or disturb a learner's launch that way.
 A file in a private folder cannot be opened by another (non-root) user, and no
 port is listening for the store at all. (The ranks' gloo connections still use
-ports on 127.0.0.1, as under torchrun.)
+ports at the address the host name resolves to, 127.0.0.1 on most laptops, or on
+the interface ``GLOO_SOCKET_IFNAME`` names, as under torchrun.)
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ class Pool:
         self.ready = False  # set by wait_ready
         self.stamps: dict[str, int] = {}  # filled by the server's "ready"
         self.exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> returncode
+        self.pids: dict[int, dict[int, int]] = {}  # generation -> {rank: pid}, while it runs
         self.sock, theirs = socket.socketpair()
         path = os.environ.get("PYTHONPATH")
         env = dict(os.environ, _COURSE_POOL_WORKER="1", _COURSE_POOL_FD=str(theirs.fileno()),
+                   _COURSE_POOL_RUNDIR=self.rundir,
                    PYTHONPATH=_ROOT + (os.pathsep + path if path else ""))
         try:
             self.proc = subprocess.Popen(
@@ -140,8 +143,10 @@ class Pool:
         try:
             self.conn.send_bytes(cloudpickle.dumps(("launch", spec)))
             socket.send_fds(self.sock, [b"F"], [theirs.fileno() for _, theirs in pairs])
-            if self._reply("started", _SERVER_REPLY_TIMEOUT) is None:
+            started = self._reply("started", _SERVER_REPLY_TIMEOUT)
+            if started is None:
                 raise ServerGone
+            self.pids[spec.generation] = dict(enumerate(started[2]))  # rank -> pid
         except OSError:  # broken pipe: the server died just now
             raise ServerGone from None
         except BaseException:

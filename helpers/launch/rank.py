@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from helpers.launch import hooks, info, nccl_rules
+from helpers.launch import hooks, info, nccl_rules, stacks
 from helpers.launch.arguments import group_backend
 from helpers.launch.shipping import LaunchSpec
 
@@ -199,6 +199,7 @@ def _rank_main(conn: mpc.Connection, rank: int, spec: LaunchSpec) -> None:
 
         _become_fresh(spec)
         hooks.set_record_path(hooks.record_path(spec.rundir, spec.generation, rank))
+        stacks.arm(spec.rundir, spec.generation, rank)  # where it is, if it outlives the timeout
         device = "cpu"
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)

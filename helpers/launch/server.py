@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing.connection as mpc
 import os
 import signal
+import shutil
 import socket
 import sys
 
@@ -40,6 +41,7 @@ def _module_stamps() -> dict[str, int]:
 def server_entry() -> None:
     """``python -c`` entry of the rank server."""
     fd = int(os.environ.pop("_COURSE_POOL_FD"))
+    rundir = os.environ.pop("_COURSE_POOL_RUNDIR", "")
     set_process_name("course-server")
     # Own process group already (start_new_session); ignoring SIGINT as well
     # means even a signal to our group cannot kill an idle server.
@@ -55,10 +57,10 @@ def server_entry() -> None:
     # Work every rank would otherwise repeat: the first seeding imports
     # numpy.random (tens of ms). Nothing here starts a thread or touches CUDA.
     seed_everything(0)
-    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)))
+    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)), rundir)
 
 
-def _serve(ctrl: mpc.Connection, sock: socket.socket) -> None:
+def _serve(ctrl: mpc.Connection, sock: socket.socket, rundir: str = "") -> None:
     """The server's loop. Messages from the caller on ``ctrl``:
     ("launch", spec) followed by world_size socket fds -> hand each to a
     spare rank, reply ("started", generation, pids); ("kill", generation) ->
@@ -174,5 +176,8 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket) -> None:
                 break
     # The caller stopped us or went away: nothing of ours may outlive it. The
     # group is ours alone (start_new_session): ranks, spares, anything they
-    # started, us.
+    # started, us. The caller removes the ranks' meeting folder when it stops us;
+    # a caller killed with SIGKILL (an OOM-killed kernel) cannot, so we do.
+    if rundir:
+        shutil.rmtree(rundir, ignore_errors=True)
     os.killpg(0, signal.SIGKILL)
