@@ -135,3 +135,18 @@ def test_a_folder_that_is_not_there_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         check_labs.main([str(tmp_path / "nope")])
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_a_learners_error_quotes_their_line_without_a_dangling_colon():
+    """check-labs runs a lab's cells outside IPython: it registers each cell's source as
+    IPython would, so a check's "(at <cell>, line N: `code`)" quotes the learner's line;
+    where no line can be found, the location ends without a colon."""
+    from helpers.checks import learner_line
+
+    exc = check_labs._exec("state = {}\nstate['adam']\n", "lab.ipynb[cell 2]", {})
+    assert isinstance(exc, KeyError)
+    assert learner_line(exc) == " (at lab.ipynb[cell 2], line 2: `state['adam']`)"
+    try:
+        exec(compile("x = 1\n{}['adam']\n", "<nowhere>", "exec"), {})
+    except KeyError as err:
+        assert learner_line(err) == " (at <nowhere>, line 2)"

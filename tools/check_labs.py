@@ -39,6 +39,7 @@ import contextlib
 import csv
 import io
 import json
+import linecache
 import os
 import pathlib
 import re
@@ -170,7 +171,8 @@ def run_notebook(path: pathlib.Path, start: int, skip: set[int]) -> None:
             _report(event="result", index=k, status=status, reason=reason, server=_server_pid())
             define_error = None
             continue
-        exc = _exec(src, f"{path.name}[cell {i}]", namespace)
+        # numbered as a fresh Restart-and-run-all numbers them in JupyterLab: In [1], ...
+        exc = _exec(src, f"{path.name}[cell {i + 1}]", namespace)
         if i == 0 and exc is not None:
             _report(event="setup-failed", reason=_one_line(exc))
             return
@@ -189,6 +191,9 @@ def run_notebook(path: pathlib.Path, start: int, skip: set[int]) -> None:
 
 def _exec(src: str, name: str, namespace: dict) -> BaseException | None:
     out = io.StringIO()
+    # as IPython does for a cell: a traceback or a check's "(at ..., line N: `code`)"
+    # can then quote the learner's line
+    linecache.cache[name] = (len(src), None, src.splitlines(keepends=True), name)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             exec(compile(src, name, "exec"), namespace)

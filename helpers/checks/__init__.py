@@ -88,8 +88,8 @@ def learner_line(exc: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    code = f" `{f.line.strip()}`" if f.line else ""
-    return f" (at {f.filename}, line {f.lineno}:{code})"
+    code = f": `{f.line.strip()}`" if f.line else ""
+    return f" (at {f.filename}, line {f.lineno}{code})"
 
 
 def passed(message: str) -> None:
