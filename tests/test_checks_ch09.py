@@ -55,6 +55,16 @@ def _mlp_gathers_and_splits(block, group=None):
     return tp
 
 
+def _attention_defaults(block, group=None):
+    # Plausible shortcut: ParallelSelfAttention's own defaults split QKV by heads and the
+    # output projection by input: the exercise's second question, answered for the learner.
+    tp = copy.deepcopy(block)
+    tp.attn = ParallelSelfAttention(block.attn, group)
+    tp.mlp.c_fc = ColumnParallelLinear.from_dense(block.mlp.c_fc, group)
+    tp.mlp.c_proj = RowParallelLinear.from_dense(block.mlp.c_proj, group)
+    return tp
+
+
 def _block_ignores_group(block, group=None):
     # Plausible mistake: the layers built without the group (split over the whole job).
     return _qkv_by_heads(block, None)
@@ -173,6 +183,8 @@ class TestChapter09(ChapterChecks):
               says="Pass `group` to every split layer"),
         Wrong("parallelize_block", _block_from_course, "the chapter's tensor_parallel_block",
               says="course's own answer"),
+        Wrong("parallelize_block", _attention_defaults,
+              "ParallelSelfAttention's default projections", says="without c_attn= and c_proj="),
         Wrong("vocab_parallel_loss", _loss_ignores_group, "collectives without group=",
               says="pass group=group"),
         Wrong("vocab_parallel_loss", _loss_all_reduce_gather,

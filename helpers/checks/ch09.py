@@ -21,6 +21,8 @@ off by O(1).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from helpers.checks import CheckFailed, on_ranks, passed
@@ -32,6 +34,35 @@ BLOCK_WORLD, BLOCK_LAYOUT = 4, [[0, 2], [1, 3]]   # two TP groups of 2, strided
 COURSE_BLOCK = ["helpers.tp.transformer.tensor_parallel_block",
                 "helpers.tp.transformer.torch_tp_block",
                 "helpers.tp.transformer.tensor_parallel_gpt"]
+
+
+@contextlib.contextmanager
+def _attention_layers_required():
+    """While the learner's block is built, ``ParallelSelfAttention`` without ``c_attn=``
+    or ``c_proj=`` raises: its defaults split QKV by heads and the output projection by
+    input, which is the exercise's second question answered for the learner. (The class's
+    ``__init__`` is swapped, so a name imported before the check is caught as well.)"""
+    from helpers.tp import ParallelSelfAttention
+
+    original = ParallelSelfAttention.__init__
+
+    def init(self, dense, group=None, c_attn=None, c_proj=None):
+        missing = [name for name, layer in (("c_attn", c_attn), ("c_proj", c_proj))
+                   if layer is None]
+        if missing:
+            raise CourseAnswerUsed(
+                f"parallelize_block built ParallelSelfAttention without "
+                f"{' and '.join(f'{m}=' for m in missing)}: its defaults split the "
+                f"projections for you, switched off in this check. Build them yourself: "
+                f"which split keeps each head's q, k and v on one rank (QKV), and which "
+                f"takes the heads' outputs split (the output projection)?")
+        original(self, dense, group, c_attn=c_attn, c_proj=c_proj)
+
+    ParallelSelfAttention.__init__ = init
+    try:
+        yield
+    finally:
+        ParallelSelfAttention.__init__ = original
 
 
 def _close(a, b) -> bool:
@@ -63,7 +94,8 @@ def _run_block(parallelize_block):
     dy = torch.randn(2, 8, 16, dtype=torch.float64, generator=gen)
     try:
         with refusing(COURSE_BLOCK, "parallelize_block",
-                      "build the block from the split layers yourself"):
+                      "build the block from the split layers yourself"), \
+                _attention_layers_required():
             tp = parallelize_block(block, group)
     except CourseAnswerUsed as exc:
         return {"refused": str(exc)}
@@ -106,7 +138,8 @@ def check_parallelize_block(parallelize_block) -> None:
     extra or missing all-reduces; any other collective, such as an MLP that all-gathers
     its 4h activation and splits it again (right numbers, counted and named); column-
     and row-parallel swapped in a pair (the shapes do not chain: named); the chapter's
-    ``tensor_parallel_block`` in place of the exercise (refused by name)."""
+    ``tensor_parallel_block`` in place of the exercise (refused by name);
+    ``ParallelSelfAttention`` left to split its own projections (its defaults: refused)."""
     from helpers.model import Block, GPTConfig
     res = on_ranks(_run_block, BLOCK_WORLD, parallelize_block, what="parallelize_block",
                    probe=lambda: parallelize_block(Block(GPTConfig()), None),
