@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from helpers.modelspec import ModelSpec
 
 __all__ = ["Ceilings", "H100_SXM", "H200_SXM", "measured_h100_gemm", "gemm_flops",
-           "gemm_bytes", "gemm_intensity", "collective_intensity", "ridge", "attainable",
+           "gemm_bytes", "gemm_intensity", "gemm_time", "collective_intensity", "ridge", "attainable",
            "bound", "dp_tokens", "zero_tokens", "tp_hidden", "cp_tokens", "pp_ratio",
            "ep_ffn", "Threshold", "family_thresholds", "format_thresholds"]
 
@@ -130,6 +130,14 @@ def gemm_intensity(m: int, k: int, n: int, dtype_bytes: float = 2) -> float:
     """FLOPs per byte of memory traffic; about m when m << k, n (part 1 of the book:
     a bf16 matmul with a small batch of m tokens has intensity ~ m)."""
     return gemm_flops(m, k, n) / gemm_bytes(m, k, n, dtype_bytes)
+
+
+def gemm_time(m: int, k: int, n: int, flops: float, memory_bw: float,
+              dtype_bytes: float = 2) -> float:
+    """Seconds of one GEMM on the roofline: its FLOPs at the compute roof or its bytes
+    at the memory roof, whichever takes longer."""
+    ridge(flops, memory_bw)
+    return max(gemm_flops(m, k, n) / flops, gemm_bytes(m, k, n, dtype_bytes) / memory_bw)
 
 
 def collective_intensity(flops: float, collective: str, nbytes: float, size: int) -> float:
@@ -272,8 +280,9 @@ def family_thresholds(model: "ModelSpec", gpu: Ceilings, *, tokens_per_gpu: floa
     rows = []
     for wire, w in (("NVLink", gpu.nvlink), ("network", gpu.network)):
         rows += [
-            Threshold("DP", wire, "tokens/GPU/step", tokens_per_gpu, dp_tokens(c, w, degree)),
-            Threshold("ZeRO-3/FSDP", wire, "tokens/GPU/micro-batch", tokens_per_gpu,
+            Threshold("DP", wire, "tokens/DP rank/step", tokens_per_gpu,
+                      dp_tokens(c, w, degree)),
+            Threshold("ZeRO-3/FSDP", wire, "tokens/rank/micro-batch", tokens_per_gpu,
                       zero_tokens(c, w, degree, 3)),
             Threshold("TP", wire, "hidden width", model.hidden,
                       tp_hidden(c, w, degree, a)),
@@ -290,9 +299,12 @@ def family_thresholds(model: "ModelSpec", gpu: Ceilings, *, tokens_per_gpu: floa
 def format_thresholds(rows: list[Threshold]) -> str:
     """The table: family, wire, the deciding quantity, its value, the threshold, and
     compute / comm (above 1: compute-bound)."""
-    out = [f"{'family':<13}{'wire':<9}{'quantity':<24}{'layout':>10}{'threshold':>11}"
+    def num(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+    out = [f"{'family':<13}{'wire':<9}{'quantity':<25}{'layout':>9}{'threshold':>11}"
            f"{'compute/comm':>14}  verdict"]
     for r in rows:
-        out.append(f"{r.family:<13}{r.wire:<9}{r.quantity:<24}{r.value:>10,.0f}"
-                   f"{r.critical:>11,.0f}{r.ratio:>14.2f}  {r.verdict}")
+        out.append(f"{r.family:<13}{r.wire:<9}{r.quantity:<25}{num(r.value):>9}"
+                   f"{num(r.critical):>11}{r.ratio:>14.2f}  {r.verdict}")
     return "\n".join(out)
