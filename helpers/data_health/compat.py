@@ -41,6 +41,8 @@ import os
 
 import torch
 
+from helpers.checkpoint.store import FORMAT as STORE_FORMAT
+
 __all__ = ["SIGNATURE_FORMAT", "IncompatibleCheckpoint", "signature", "model_layouts",
            "compare", "require_compatible", "store_signature", "dcp_signature",
            "qkv_per_head", "qkv_stacked"]
@@ -118,6 +120,15 @@ def _from_metadata(fmt, tensors: dict, stored: dict | None) -> dict:
             "tensors": {k: {**v, "layout": layouts.get(k, "plain")} for k, v in tensors.items()}}
 
 
+def _format(container: str, readable: bool, stored: dict | None):
+    """The signature's format, or the container's own version where this code cannot
+    read it (the store's manifest, DCP's ``Metadata.version``): either differs from
+    this job's ``SIGNATURE_FORMAT`` and is reported as such."""
+    if not readable:
+        return f"{container} (this code reads another)"
+    return stored.get("format") if stored else f"{container}, no signature saved"
+
+
 def store_signature(path: str, prefix: str = "model") -> dict:
     """The signature of a checkpoint of ``helpers.checkpoint.store`` (a ``stepNNNNNNNN``
     directory) holding ``{prefix: state dict, "signature": signature(...)}``: format from
@@ -133,17 +144,17 @@ def store_signature(path: str, prefix: str = "model") -> dict:
                     for k, v in manifest["shards"].items() if k.startswith(head)})
     state = torch.load(os.path.join(path, "rank0.pt"), weights_only=True, mmap=True)
     stored = state.get("signature") if isinstance(state, dict) else None
-    # the manifest's format is the store's; the stored signature's is the layout tags'
-    fmt = manifest.get("format") if stored is None else \
-        f"store {manifest.get('format')}, signature {stored.get('format')}"
-    return _from_metadata(fmt, tensors, stored)
+    return _from_metadata(_format(f"store format {manifest.get('format')}",
+                                  manifest.get("format") == STORE_FORMAT, stored), tensors, stored)
 
 
 def dcp_signature(path: str, prefix: str = "model") -> dict:
     """The signature of a DCP checkpoint holding ``{prefix: state dict, "signature":
     json text}``: names, sizes and dtypes from its ``.metadata`` (no tensor is read),
-    the layouts from the stored signature (one small entry loaded)."""
+    the layouts from the stored signature (one small entry loaded: a collective when
+    a process group is up, so every rank calls it)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
     meta = dcp.FileSystemReader(path).read_metadata()
     head = f"{prefix}."
@@ -156,8 +167,8 @@ def dcp_signature(path: str, prefix: str = "model") -> dict:
         holder = {"signature": ""}
         dcp.load(holder, checkpoint_id=path)
         stored = json.loads(holder["signature"])
-    fmt = f"dcp {meta.version}, signature {stored.get('format') if stored else None}"
-    return _from_metadata(fmt, tensors, stored)
+    return _from_metadata(_format(f"DCP version {meta.version}",
+                                  meta.version == CURRENT_DCP_VERSION, stored), tensors, stored)
 
 
 def qkv_per_head(weight: torch.Tensor, n_head: int) -> torch.Tensor:
