@@ -2,9 +2,12 @@
 
 A checkpoint is a set of named tensors. Loading it into a job needs more than
 the names to agree: each tensor's shape, its dtype, its layout (which rows mean
-what: a fused q/k/v weight stacked as [q; k; v] or interleaved head by head, as
-Megatron-LM's fused QKV is; which slice of a sharded tensor a rank's file
-holds) and the format of the files. The loaders guard only part of that:
+what: a fused q/k/v weight stacked as [q; k; v] or interleaved head by head;
+which slice of a sharded tensor a rank's file
+holds) and the format of the files. (Megatron-LM's fused ``linear_qkv`` is viewed
+per query group, ``[sq, b, ng, (np/ng + 2) * hn]``, in megatron-core's
+``SelfAttention.get_query_key_value_tensors``: a converter between it and the
+stacked layout must permute the rows.) The loaders guard only part of that:
 
 * ``nn.Module.load_state_dict`` (strict) refuses missing or unexpected names and
   other shapes; it copies another dtype in silently (``copy_`` converts);
@@ -13,7 +16,8 @@ holds) and the format of the files. The loaders guard only part of that:
   checkpoint lacks ("Missing key in checkpoint state_dict") and another size
   ("Size mismatch between saved ... and current"); it ignores names the job
   does not ask for, converts another dtype while copying, and writes its
-  ``Metadata.version`` ("1.0.0") without comparing it on load;
+  ``Metadata.version`` ("1.0.0") without comparing it on load (checked in
+  ``filesystem.py`` and ``default_planner.py`` of torch 2.13);
 * the course's store (``helpers.checkpoint.store.load_latest`` with ``like=``)
   refuses another shape; a manifest of another format version is *skipped*,
   with the reason in ``Loaded.skipped``, and if no checkpoint is left the job
@@ -108,8 +112,8 @@ def require_compatible(saved: dict, expected: dict, where: str = "the checkpoint
     if problems:
         shown = "\n  ".join(problems[:8])
         more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
-        raise IncompatibleCheckpoint(f"{where} does not fit this job "
-                                     f"({len(problems)} mismatches):\n  {shown}{more}")
+        count = f"{len(problems)} mismatch" + ("es" if len(problems) > 1 else "")
+        raise IncompatibleCheckpoint(f"{where} does not fit this job ({count}):\n  {shown}{more}")
 
 
 def _from_metadata(fmt, tensors: dict, stored: dict | None) -> dict:

@@ -29,13 +29,15 @@ How production differs: ``torch.utils.data.DistributedSampler`` deals the
 indices ``indices[rank::num_replicas]`` of one permutation seeded with
 ``seed + epoch``, pads with repeats unless ``drop_last``, and keeps no record;
 ``set_epoch`` only changes the seed. torchdata's ``StatefulDataLoader`` saves how
-many batches a loader yielded and fast-forwards by that many on load; it keeps
-the state per rank, "not across ranks" (its documentation), so nothing checks
-that a job of another world size continues where the old one stopped. Large
-training stacks record a sample index per step (Megatron's data loaders take
-``consumed_samples`` and rebuild the position from it), which is the same ledger
-reduced to one number: it is exact only while the global batch and order stay
-the same.
+many batches a loader yielded and fast-forwards by that many on load, and its
+``StatefulDistributedSampler`` saves the count of indices this rank yielded; the
+state is per rank ("not across ranks", its documentation), so nothing checks
+that a job of another world size continues where the old one stopped: it skips
+that many of its *new* slice. Megatron-LM's ``MegatronPretrainingSampler`` takes
+``consumed_samples``, a count of global samples, and starts each rank from it, a
+position that means the same on any data-parallel size (the course's
+``ShardedSampler`` counts global batches for the same reason). A count is not a
+record: it cannot say which examples were used; the ledger can.
 """
 
 from __future__ import annotations
