@@ -40,6 +40,7 @@ def draw_ledgers(audits: list, labels: list[str], title: str | None = None):
     ax.set_yticks(range(len(audits)), [f"{lab}  ({a.duplicates} dup, {a.gaps} gaps)"
                                       for lab, a in zip(labels, audits)])
     ax.set_xlabel("example id")
+    ax.grid(False)  # the cells are the data; grid lines would cut them
     bar = fig.colorbar(im, ax=ax, ticks=range(top + 1), fraction=0.04, pad=0.02)
     bar.set_label("uses")
     if title:
