@@ -58,7 +58,7 @@ from helpers.clock import clock_for, resolve
 
 
 __all__ = ["Timeline", "union_length", "exposed_comm", "ddp_timeline", "plot_timelines",
-           "short_label", "export_trace"]
+           "OVERLAP_KEY", "short_label", "export_trace"]
 
 
 class Timeline:
@@ -229,11 +229,18 @@ def short_label(name: str) -> str:
     return head + (" root" if len(words) > 1 and words[-1] == "root" else "")
 
 
-def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
+# what the bars' short labels mean in chapter 16's timelines (``short_label``)
+OVERLAP_KEY = ("F/B forward/backward of a unit, AG all-gather, RS reduce-scatter,\n"
+               "AR all-reduce (number: unit or bucket); wait: the training thread blocked")
+
+
+def plot_timelines(timelines: list[list[dict]], ax=None, title: str = "",
+                   key: str = OVERLAP_KEY):
     """Gantt chart: three rows (compute, comm, wait) per rank, time in ms
     from the earliest event; every bar wide enough carries its short label
     (``short_label``: F/B = forward/backward of a unit, AG/RS/AR = all-gather,
-    reduce-scatter, all-reduce, then the unit or bucket number)."""
+    reduce-scatter, all-reduce, then the unit or bucket number). ``key``: what the
+    labels mean, under the axis (another chapter's spans name other things)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -260,8 +267,7 @@ def plot_timelines(timelines: list[list[dict]], ax=None, title: str = ""):
             yticks.append(y)
             labels.append(f"rank {r} {lane}")
     ax.set_yticks(yticks, labels)
-    ax.set_xlabel("ms   F/B forward/backward of a unit, AG all-gather, RS reduce-scatter,\n"
-                  "AR all-reduce (number: unit or bucket); wait: the training thread blocked")
+    ax.set_xlabel(f"ms   {key}" if key else "ms")
     if title:
         ax.set_title(title)
     return ax

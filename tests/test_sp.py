@@ -218,7 +218,7 @@ def _sp_block():
     with count_collectives() as sp_log:
         y = sp(x_local)
         y.backward(dy.chunk(t, dim=1)[r])
-    allreduce_replicated_grads(sp)
+    replicated = allreduce_replicated_grads(sp)
     grads = {}
     for name, g in gather_dense(sp, grads=True).items():
         head, _, leaf = name.rpartition(".")
@@ -230,7 +230,7 @@ def _sp_block():
         sp(x_local)
     with SavedTensorCounter(tp) as tp_saved:
         tp(x)
-    return dict(y=y.detach(),
+    return dict(y=y.detach(), replicated=replicated,
                 dx=x_local.grad, grads=grads, sp_log=sp_log.log, tp_log=tp_log.log,
                 sp_saved=sp_saved.by_module(), tp_saved=tp_saved.by_module())
 
@@ -300,6 +300,9 @@ def test_megatron_sp_block_equals_the_dense_block(ranks):
         assert_close64(sp["dx"], x.grad.chunk(t, dim=1)[r], f"SP dx rank {r}")
         for name, p in block.named_parameters():
             assert_close64(sp["grads"][name], p.grad, f"SP grad {name} rank {r}")
+        # the all-reduce of what every rank holds whole: two LayerNorms' weight and bias
+        # and the two row-parallel biases, 6h float64 values
+        assert sp["replicated"] == 6 * 48 * 8
 
 
 def test_megatron_sp_same_wire_bytes_as_tp_and_layernorm_activations_split(ranks):
@@ -334,6 +337,13 @@ def test_ring_timeline_has_one_compute_span_per_block_and_waits_inside_transfers
             assert c["start"] <= w["start"] and w["end"] == c["end"]  # blocked inside the transfer
         names = [e["name"] for e in spans if e["lane"] == "compute"]
         assert names == [f"block of rank {(rank - i) % t}" for i in range(t)]
+        # each compute span carries its process's CPU seconds, and only compute spans do
+        import os
+        threads = os.cpu_count() or 1
+        for e in spans:
+            assert ("cpu" in e) == (e["lane"] == "compute")
+            if "cpu" in e:   # at most every core the whole span (+ 11 ms: a coarse CPU clock)
+                assert 0 <= e["cpu"] <= threads * (e["end"] - e["start"]) + 0.011
 
 
 def test_ring_compute_only_runs_the_same_blocks_without_sending(ranks):

@@ -161,19 +161,24 @@ def sequence_parallel_block(block: Block, group=None) -> SequenceParallelBlock:
     return SequenceParallelBlock(block, group)
 
 
-def allreduce_replicated_grads(module: nn.Module, group=None) -> None:
-    """Sum over the group the gradients of parameters every rank holds whole.
+def allreduce_replicated_grads(module: nn.Module, group=None) -> int:
+    """Sum over the group the gradients of parameters every rank holds whole; returns
+    the bytes of gradient all-reduced (0 at t = 1).
 
     Each rank's LayerNorm (and row-parallel bias) saw only its T/t positions,
-    so its gradient is a partial sum over the sequence.
+    so its gradient is a partial sum over the sequence: 6h values a block (two
+    LayerNorms' weight and bias, the two row-parallel biases), once a step.
     """
     if tp_size(group) == 1:
-        return
+        return 0
     split = {id(p) for m in module.modules() for n, spec in getattr(m, "layout", {}).items()
              if spec is not None for p in [getattr(m, n)]}
+    nbytes = 0
     for p in module.parameters():
         if id(p) not in split and p.grad is not None:
             dist.all_reduce(p.grad, group=group)
+            nbytes += p.grad.numel() * p.grad.element_size()
+    return nbytes
 
 
 def ring_wire_bytes(op: str, nbytes: int, t: int) -> float:

@@ -34,6 +34,7 @@ layout (Megatron-LM / TransformerEngine's ``attn_fwd_...cp`` kernels, PyTorch's
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -93,7 +94,11 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
     ``helpers.clock`` (``helpers.overlap.plot_timelines`` draws them; on a GPU the
     marks are CUDA events, filled in when the forward returns):
     "comm" runs from posting the isend/irecv to the moment the wait returns, "wait"
-    is the part of it the rank spent blocked. ``communicate=False`` computes the
+    is the part of it the rank spent blocked; a "compute" span also has ``"cpu"``, the
+    CPU seconds this rank's process used during it (all its threads): over the span's
+    length, the share of the time the rank really ran, which on a machine with fewer
+    cores than ranks falls below one thread's 1.0 (a CPU quantity: on a GPU it counts
+    only the kernels' launches). ``communicate=False`` computes the
     same cp blocks (same masks) on the local K/V, with no messages: the compute
     alone, for timing how much of the transfer the ring hides. ``trace`` (a list)
     gets one dict per step, what the step did: ``{"step", "rank", "owner"`` (whose K/V
@@ -118,12 +123,12 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
         t_post = clk.mark()
         nxt, reqs = ring_shift(kv, group, tag=0) if communicate and step < cp - 1 else (kv, [])
         mask = block_mask(q_pos, seq, cp, (r - step) % cp, layout, causal)
-        t0 = clk.mark()
+        t0, c0 = clk.mark(), time.process_time()
         computed = mask is None or bool(mask.any())
         if computed:                                          # fully masked: skip the block
             o, l = block_attention(qc, kv[0], kv[1], mask, scale)
             out, lse = merge_partials(out, lse, o, l)
-        t1 = clk.mark()
+        t1, c1 = clk.mark(), time.process_time()
         if trace is not None:
             owner = (r - step) % cp
             k_pos = positions(seq, cp, owner, layout)
@@ -135,7 +140,7 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
                           "computed": computed,
                           "sent_to": (r + 1) % cp if moving else None,
                           "received_from": (r - 1) % cp if moving else None})
-        span("compute", f"block of rank {(r - step) % cp}", t0, t1)
+        span("compute", f"block of rank {(r - step) % cp}", t0, t1, c1 - c0)
         wait_all(reqs)                                        # next block arrived under compute
         if reqs:
             t2 = clk.mark()  # after the wait: on a GPU, when the K/V had arrived
@@ -150,8 +155,11 @@ def ring_forward(q, k, v, group=None, causal=True, layout="contiguous", timeline
 def _spans(timeline):
     if timeline is None:
         return lambda *a: None
-    return lambda lane, name, start, end: timeline.append(
-        {"lane": lane, "name": name, "start": start, "end": end})
+
+    def span(lane, name, start, end, cpu=None):
+        timeline.append({"lane": lane, "name": name, "start": start, "end": end}
+                        | ({} if cpu is None else {"cpu": cpu}))
+    return span
 
 
 class RingAttention(torch.autograd.Function):
