@@ -320,6 +320,21 @@ def test_dp_experts_reduce_over_the_ranks_that_share_them():
                    ("reduce", "all_reduce", p * 2 / 4, 4, 8, 1))
 
 
+def test_zero3_gathers_only_the_experts_its_ep_group_holds():
+    """An MoE layer's ZeRO-3 gather is the attention, norms and router whole, and E / ep
+    of its experts (the rank's expert-parallel group holds no others), over tp."""
+    moe = ModelSpec(name="MoE", layers=16, hidden=2048, heads=16, vocab=32000, seq=2048,
+                    experts=8, top_k=2)
+    expert = moe.mlp_params()
+    shared = moe.layer_params() - 8 * expert            # attention, router, norms
+    for ep, tp, units in ((1, 1, 1), (4, 1, 2), (8, 2, 2)):
+        assert costs.gathered_layers(moe, tp, units, "bf16", ep) == pytest.approx(
+            units * 2 * (shared + 8 / ep * expert) / tp)
+    # a dense model: no experts to split, ep changes nothing
+    assert costs.gathered_layers(LLAMA_7B, 2, 2, "bf16", 4) == \
+        costs.gathered_layers(LLAMA_7B, 2, 2) == 2 * 2 * LLAMA_7B.layer_params() / 2
+
+
 def test_cp_sends_k_and_v_three_times_round_the_ring():
     topo = h100_cluster(4)
     cp, tp, mb = 4, 8, 1

@@ -129,7 +129,7 @@ def activations(model: "ModelSpec", seq: int, micro_batch: int, tp: int, pp: int
     first stage holds p micro-batches of its layers (1F1B's warm-up), p (1 + (p-1) /
     (p v)) with v interleaved chunks: Megatron-Core's first stage runs 2 (p - 1) +
     (v - 1) p warm-up forwards, then one more before its first backward, p v + p - 1
-    chunks (Megatron-Core 0.20.0, ``pipeline_parallel/schedules.py``,
+    chunks (Megatron-Core main, d98e8a6 of 2026-08-22, ``pipeline_parallel/schedules.py``,
     ``get_pp_rank_microbatches``), and caps the warm-up at the step's m v chunks. So
     with m < p + (p - 1) / v the stage holds all m: every forward of the step runs
     before its first backward (m = 16 micro-batches on 16 stages, v = 8: 128 chunks,
@@ -155,10 +155,15 @@ def activations(model: "ModelSpec", seq: int, micro_batch: int, tp: int, pp: int
     return act * (2 if precision == "fp32" else 1)
 
 
-def gathered_layers(model: "ModelSpec", tp: int, units: int, precision: str = "bf16") -> float:
+def gathered_layers(model: "ModelSpec", tp: int, units: int, precision: str = "bf16",
+                    ep: int = 1) -> float:
     """ZeRO-3's all-gathered weights (chapter 15): ``units`` layers (1, or 2 when the
-    next one is prefetched) of 1/tp of a layer each, in the compute dtype."""
-    return units * (model.layer_params() / tp * wire_bytes(precision))
+    next one is prefetched) of 1/tp of a layer each, in the compute dtype. An MoE layer's
+    gather holds only the experts of the rank's expert-parallel group, E / ``ep`` of them
+    (``layer_params`` counts all E)."""
+    experts = model.mlp_params() * model.experts  # 0 for a dense model
+    layer = model.layer_params() - experts + experts / ep
+    return units * (layer / tp * wire_bytes(precision))
 
 
 def layer_activation_bytes(model: "ModelSpec", seq: int, micro_batch: int, tp: int,

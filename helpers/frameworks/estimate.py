@@ -206,7 +206,8 @@ def estimate(plan: Plan, model: ModelSpec, cluster: Cluster,
                    "fp32 master + Adam m, v" + (", offloaded" if p.offload != "none" else ""))]
     if p.zero_stage == 3:
         units = 2 if p.overlap_param_gather else 1
-        memory.append(Term("gathered layers", costs.gathered_layers(m, p.tp, units, p.precision),
+        memory.append(Term("gathered layers",
+                           costs.gathered_layers(m, p.tp, units, p.precision, p.ep),
                            "15", f"{units} layer(s) all-gathered at a time"))
     act = costs.activations(m, s_local, p.micro_batch, p.tp, p.pp, p.sequence_parallel,
                             p.recompute, p.vpp, p.precision, own_shapes=True,

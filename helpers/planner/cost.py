@@ -89,7 +89,7 @@ def memory_terms(model: ModelSpec, lay: Layout, global_batch: int | None = None)
     gathered = 0.0
     if lay.zero == 3:
         units = 2 if overlap(lay)["overlap_param_gather"] else 1
-        gathered = costs.gathered_layers(model, lay.tp, units, "bf16")
+        gathered = costs.gathered_layers(model, lay.tp, units, "bf16", lay.ep)
     act = costs.activations(model, model.seq // lay.cp, lay.micro_batch, lay.tp, lay.pp,
                             lay.tp > 1, lay.recompute, lay.interleave, "bf16", own_shapes=True,
                             micro_batches=m)
