@@ -141,6 +141,61 @@ def _spaces(p):  # right answer, label written with a space
     return classify_bottleneck(p).replace("-", " ")
 
 
+# Rooflines: roofline_verdict(family, gpu, wire, degree, global_tokens, hidden)
+
+def _roofline(dp_passes=2, fsdp_passes=3, ring=lambda n: (n - 1) / n, bw=None, b=2, six=6,
+              tp_split=True, per_rank=True, invert=False, geq=True):
+    """A roofline_verdict with the solution's shape and one knob turned."""
+    def verdict(family, gpu, wire, degree, global_tokens, hidden):
+        w = (bw or (lambda g, wire: g.nvlink if wire == "nvlink" else g.network))(gpu, wire)
+        ridge = w / gpu.flops if invert else gpu.flops / w
+        if family == "dp":
+            thr = ridge * dp_passes * ring(degree) * b / six
+        elif family == "fsdp":
+            thr = ridge * fsdp_passes * ring(degree) * b / six
+        else:
+            thr = ridge * 4 * 2 * ring(degree) * b * (degree if tp_split else 1) / (six * 12)
+        have = hidden if family == "tp" else global_tokens / (degree if per_rank else 1)
+        ok = have >= thr if geq else have > thr
+        return thr, "compute-bound" if ok else "communication-bound"
+    return verdict
+
+
+def _by_crossing(family, gpu, wire, degree, global_tokens, hidden):
+    """Right, another way: the two times at a trial value, then where they meet (compute
+    grows linearly in the tokens, and as h^2 against comm's h for TP)."""
+    from helpers.costs.network import wire_factor
+    W = {"nvlink": gpu.nvlink, "network": gpu.network}[wire]
+    if family in ("dp", "fsdp"):
+        P, T = 1e9, 1000.0
+        compute = 6 * P * T / gpu.flops
+        if family == "dp":
+            sent = wire_factor("all_reduce", degree) * 2 * P
+        else:
+            sent = (2 * wire_factor("all_gather", degree)
+                    + wire_factor("reduce_scatter", degree)) * 2 * P
+        thr = T * (sent / W) / compute
+        have = global_tokens / degree
+    else:
+        h, T = 1000.0, 1.0
+        compute = 6 * 12 * h * h / degree * T / gpu.flops
+        comm = 4 * wire_factor("all_reduce", degree) * 2 * h * T / W
+        thr, have = h * comm / compute, hidden
+    return thr, ("communication-bound", "compute-bound")[have >= thr]
+
+
+def _both_directions(family, gpu, wire, degree, global_tokens, hidden):
+    return _roofline(bw=lambda g, w: 2 * (g.nvlink if w == "nvlink" else g.network))(
+        family, gpu, wire, degree, global_tokens, hidden)
+
+
+def _calls_the_course(family, gpu, wire, degree, global_tokens, hidden):
+    from helpers.costs import roofline
+    w = gpu.nvlink if wire == "nvlink" else gpu.network
+    thr = roofline.dp_tokens(gpu.flops, w, degree)
+    return thr, "compute-bound" if global_tokens / degree >= thr else "communication-bound"
+
+
 class TestChapter01(ChapterChecks):
     lab = "labs/01_why_distributed_lab.ipynb"
     sol = "solutions/01_why_distributed_solution.ipynb"
@@ -148,6 +203,7 @@ class TestChapter01(ChapterChecks):
         "bytes_per_param": Check(ch01.check_bytes_per_param),
         "gpus_needed": Check(ch01.check_gpus_needed),
         "classify_bottleneck": Check(ch01.check_classify_bottleneck),
+        "roofline_verdict": Check(ch01.check_roofline_verdict),
     }
     wrong = [
         Wrong("bytes_per_param", _no_master, "forgets the fp32 master copy", says="master copy"),
@@ -195,8 +251,38 @@ class TestChapter01(ChapterChecks):
               "the largest part (comm) before the straggler rule", says="straggler"),
         Wrong("classify_bottleneck", _largest_on_slowest,
               "the largest part on the slowest rank, not the mean", says="mean over ranks"),
+        Wrong("roofline_verdict", _roofline(dp_passes=1, fsdp_passes=1.5),
+              "an all-reduce as one pass of the ring", says="[Hh]alf the expected"),
+        Wrong("roofline_verdict", _both_directions, "NVLink's both directions",
+              says="one direction of the link"),
+        Wrong("roofline_verdict", _roofline(ring=lambda n: 1), "the ring's (n-1)/n left out",
+              says=r"\(n-1\)/n is missing"),
+        Wrong("roofline_verdict", _roofline(b=6, six=2), "bytes and FLOPs swapped",
+              says="[Bb]ytes and FLOPs swapped"),
+        Wrong("roofline_verdict", _roofline(fsdp_passes=2), "FSDP priced as DP",
+              says="three collectives per micro-batch"),
+        Wrong("roofline_verdict", _roofline(tp_split=False), "TP's FLOPs not split over t",
+              says="1/t of the layer"),
+        Wrong("roofline_verdict", _roofline(bw=lambda g, w: g.nvlink), "NVLink for every wire",
+              says="the other wire"),
+        Wrong("roofline_verdict", _roofline(bw=lambda g, w: g.network), "the NIC for every wire",
+              says="the other wire"),
+        Wrong("roofline_verdict", _roofline(invert=True), "W / C for C / W",
+              says="FLOPs per byte"),
+        Wrong("roofline_verdict", _roofline(per_rank=False), "the global batch, not a rank's",
+              says="not the global batch"),
+        Wrong("roofline_verdict", lambda *a: _roofline()(*a)[1], "the verdict alone",
+              says="return a pair"),
+        Wrong("roofline_verdict", lambda *a: (_roofline()(*a)[0], "compute bound"),
+              "a misspelled verdict", says="exactly one of"),
+        Wrong("roofline_verdict", _calls_the_course, "the course's own dp_tokens",
+              says="switched off"),
     ]
     right = [
+        Right("roofline_verdict", _roofline(), "the closed forms"),
+        Right("roofline_verdict", _by_crossing, "the two times at a trial value, scaled"),
+        Right("roofline_verdict", _roofline(geq=False), "> instead of >= (no case sits on the "
+              "threshold)"),
         Right("classify_bottleneck", classify_bottleneck, "the library's classifier"),
         Right("classify_bottleneck", _wait_in_comm, "the wait read from the comm spread"),
         Right("classify_bottleneck", _in_order("memory", "straggler", "compute", "all-reduce",
