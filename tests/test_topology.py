@@ -384,6 +384,11 @@ def test_emulated_network_follows_the_model():
         assert min(r["samples"]) >= model.time * (1 - 1e-3)  # sleep never returns early
         assert r["time_s"] <= 1.25 * model.time, (alg, r["samples"], model.time)
     assert measured["hierarchical"]["time_s"] < measured["ring"]["time_s"]
+    # the ranks sleep through most of each call: the machine's cores are far from busy
+    # (the ranks' CPU seconds over cores x wall time; at most 1 by construction)
+    for r in rows:
+        assert 0 <= r["cores_busy"] <= 1 + 1e-6
+    assert measured["ring"]["cores_busy"] < 0.5
 
 
 def _six_ranks():

@@ -41,6 +41,7 @@ the Wire prices (latency + bytes / bandwidth) and what the cost model counts.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -276,6 +277,11 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
     and the most any one rank sent across (its "NIC"). ``include_torch`` adds
     dist.all_reduce (no emulated delay: gloo's own messages bypass the Wire).
     Every result is checked against the exact sum (float32 ones: exact).
+    On a CPU each row also has ``cores_busy``: the CPU seconds all ranks' processes
+    used during a call over (the machine's cores x the call's time), median over the
+    calls. Near 1, the ranks competed for cores, so their cost above the model is
+    partly waiting for one; well below 1, a core was free. (None on a GPU, where CPU
+    seconds count only launches.)
     """
     positive_int("numel", numel)
     positive_int("reps", reps)
@@ -285,13 +291,16 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
     clk = clock_for(x.device)
     names = list(algorithms) + (["torch"] if include_torch else [])
     samples = {a: [] for a in names}
+    busy = {a: [] for a in names}
+    on_cpu = x.device.type == "cpu"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     counts = {}
     for _ in range(reps):
         for alg in names:
             x.fill_(1.0)
             wire = Wire(gpus_per_node, slow_link)
             dist.barrier()
-            t0 = clk.mark()
+            t0, c0 = clk.mark(), time.process_time()
             if alg == "ring":
                 ring_all_reduce(x, None, wire)
             elif alg == "hierarchical":
@@ -301,9 +310,12 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
             else:
                 raise ValueError(f"unknown algorithm {alg!r}")
             dt = torch.tensor([elapsed(t0, clk.mark())], dtype=torch.float64)
+            cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
             if not torch.equal(x, torch.full_like(x, float(p))):
                 raise RuntimeError(f"{alg} all-reduce gave a wrong sum on rank {dist.get_rank()}")
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu)                        # every rank's CPU seconds, summed
+            busy[alg].append(cpu.item() / (cores * dt.item()))
             sent = torch.tensor([float(wire.cross_bytes)], dtype=torch.float64)
             most = sent.clone()
             dist.all_reduce(sent)
@@ -313,7 +325,8 @@ def time_emulated(numel: int, gpus_per_node: int, slow_link: Link | None, reps: 
             counts[alg] = (None, None) if alg == "torch" else (sent.item(), most.item())
     return [{"algorithm": a, "nbytes": 4 * numel, "time_s": statistics.median(samples[a]),
              "samples": samples[a], "cross_node_bytes": counts[a][0],
-             "nic_bytes": counts[a][1]} for a in names]
+             "nic_bytes": counts[a][1],
+             "cores_busy": statistics.median(busy[a]) if on_cpu else None} for a in names]
 
 
 def time_placement(numel: int, gpus_per_node: int, group_size: int, slow_link: Link | None,
