@@ -93,7 +93,7 @@ def _restore_via_course(state, sampler):
 
 def _save(directory, step, data, *, partial=True, fsync_data=True, gather=True,
           manifest_first=False, fsync_manifest=True, rename_by_all=False, last_barrier=True,
-          digest=lambda b: hashlib.sha256(b).hexdigest()):
+          digest=lambda b: hashlib.sha256(b).hexdigest(), fsync_directory=True):
     """The right save with one mistake switched on."""
     rank, world = dist.get_rank(), dist.get_world_size()
     final = os.path.join(directory, f"step{step:08d}")
@@ -131,6 +131,10 @@ def _save(directory, step, data, *, partial=True, fsync_data=True, gather=True,
         manifest()
     if partial and (rank == 0 or rename_by_all):
         os.rename(tmp, final)
+        if fsync_directory:
+            fd = os.open(directory, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
     if last_barrier:
         dist.barrier()
 
@@ -165,6 +169,15 @@ def _save_returns_early(d, s, b):
 
 def _save_md5(d, s, b):
     _save(d, s, b, digest=lambda data: hashlib.md5(data).hexdigest())
+
+
+def _save_commit_unsynced(d, s, b):
+    _save(d, s, b, fsync_directory=False)
+
+
+def _save_syncs_partial_only(directory, step, data):
+    """fsyncs the .partial directory before the rename, never the parent after it."""
+    _save_with_replace_and_dir_fsync(directory, step, data, parent=False)
 
 
 def _save_three_ranks(directory, step, data):
@@ -253,7 +266,7 @@ def _save_digests_before_durable(directory, step, data):
     dist.barrier()
 
 
-def _save_with_replace_and_dir_fsync(directory, step, data):
+def _save_with_replace_and_dir_fsync(directory, step, data, parent=True):
     """Another right save: os.replace for the commit, directories fsynced too, the
     checksums gathered to rank 0 only."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -278,6 +291,10 @@ def _save_with_replace_and_dir_fsync(directory, step, data):
         os.fsync(fd)
         os.close(fd)
         os.replace(tmp, final)
+        if parent:
+            fd = os.open(directory, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
     dist.barrier()
 
 
@@ -308,6 +325,12 @@ class TestChapter17(ChapterChecks):
         Wrong("atomic_save", _save_returns_early, "ranks return before the commit",
               says="returned before the checkpoint was committed"),
         Wrong("atomic_save", _save_md5, "md5 instead of sha256", says="sha256"),
+        # the rename is durable only once its directory is (the course's store does it:
+        # helpers/checkpoint/store/write.py, _fsync_dir after the rename)
+        Wrong("atomic_save", _save_commit_unsynced, "commit's directory never fsynced",
+              says="never fsynced the directory that holds it"),
+        Wrong("atomic_save", _save_syncs_partial_only, "only the .partial directory fsynced",
+              says="never fsynced the directory that holds it"),
         Wrong("atomic_save", _save_no_manifest, "no manifest at all", says="no manifest.json"),
         Wrong("atomic_save", _save_three_ranks, "world size 3 written in", says="on 4 ranks"),
         Wrong("atomic_save", _save_no_first_barrier, "others write before rank 0 made the directory",

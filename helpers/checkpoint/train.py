@@ -200,9 +200,10 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
             opt.zero_grad(set_to_none=True)
             # A step the scaler skipped updated nothing, so the schedule does not advance
             # either (Megatron-LM steps its scheduler only ``if update_successful``:
-            # megatron/training/training.py, train_step, Megatron-Core 0.20.0). Stepping it
-            # anyway would also run torch's scheduler before any optimizer.step(), which
-            # torch warns about, and it would shift the warm-up by one value per skip.
+            # megatron/training/training.py, train_step, Megatron-Core main, d98e8a6 of
+            # 2026-08-22). Stepping it anyway would also run torch's scheduler before any
+            # optimizer.step(), which torch warns about, and it would shift the warm-up by
+            # one value per skip.
             if applied:
                 scheduler.step()
         losses[step + 1] = _global_mean(loss.detach())
@@ -232,10 +233,17 @@ def _run(directory, steps, save_every, optimizer, dropout, forget, crash, global
 
 
 def _killer(crash_in_save, step: int, rank: int):
-    """on_written hook: SIGKILL this rank once its file of that step is on disk."""
+    """on_written hook: SIGKILL this rank once its file of that step is on disk, saying
+    so first (a supervisor such as torchrun names only the worker whose exit it
+    collected first, which may be a peer that failed because of this one)."""
     if crash_in_save is None or tuple(crash_in_save) != (step, rank):
         return None
-    return lambda path: os.kill(os.getpid(), signal.SIGKILL)
+
+    def kill(path):
+        print(f"rank {rank} SIGKILLs itself in the step-{step} save, its file written and "
+              f"the manifest not", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return kill
 
 
 def _global_mean(loss: torch.Tensor) -> float:

@@ -233,7 +233,9 @@ def _traced_save(directory: str, step: int, save_fn, kill_rank: int | None,
             sched.wait_for_others(("done", "raised", "frozen"), {"frozen"})
             os.kill(os.getpid(), signal.SIGKILL)
         real_fsync(fd)
-        events.append(("fsync", _fd_path(fd) if regular else "<directory>", time.time()))
+        st = os.fstat(fd)   # a directory by its inode: /proc's path is Linux-only
+        events.append(("fsync", _fd_path(fd) if regular else "<directory>", time.time(),
+                       (st.st_dev, st.st_ino)))
 
     def renamer(real):
         def rename(src, dst, *args, **kwargs):
@@ -348,6 +350,22 @@ def _check_order(results: list[dict], directory: str, step: int) -> None:
                           f"until the rename has happened on rank 0")
 
 
+def _commit_unsynced(results: list[dict], directory: str) -> str | None:
+    """Why the commit is not durable, or None: the renaming rank must fsync ``directory``
+    (the rename's parent) after the rename, since the rename is an entry in it."""
+    rank, t_rename = next((r, e[3]) for r, res in enumerate(results)
+                          for e in res["events"] if e[0] == "rename")
+    st = os.stat(directory)
+    if any(e[0] == "fsync" and e[1] == "<directory>" and tuple(e[3]) == (st.st_dev, st.st_ino)
+           and e[2] >= t_rename for e in results[rank]["events"]):
+        return None
+    return (f"rank {rank} renamed the checkpoint into place but never fsynced the directory "
+            f"that holds it afterwards: the rename is an entry of that directory, and until "
+            f"the directory is fsynced a power loss can undo the commit though the save "
+            f"returned. Open it (os.open(directory, os.O_RDONLY)), os.fsync the descriptor, "
+            f"close it")
+
+
 def _killed_save_problem(d: str) -> str | None:
     """What the killed step-2 save left wrong, with its cause, or None."""
     import json
@@ -390,7 +408,8 @@ def check_atomic_save(atomic_save) -> None:
     straight into the final directory, a rank that skips fsync, a manifest that lists only
     rank 0's file or a checksum other than sha256 of the bytes, a rename before the
     manifest is fsynced, ranks that return before the commit, ranks that write into a
-    directory another rank has not created yet (FileNotFoundError, named).
+    directory another rank has not created yet (FileNotFoundError, named), and (named
+    last, after run 2) a commit whose directory is not fsynced after the rename.
     Run 2 (4 ranks: step 1 saved, then rank 1 stopped at the fsync of its step-2 file and
     killed) catches: a world size written into the code (3 in run 1, 4 here), a
     ``step00000002`` that exists though rank 1 never finished, checksums gathered before the
@@ -417,6 +436,7 @@ def check_atomic_save(atomic_save) -> None:
             raise CheckFailed(f"after atomic_save(directory, 1, data) on {_SAVE_WORLD} ranks: "
                               f"{problem}")
         _check_order(results, d, 1)
+        unsynced = _commit_unsynced(results, d)  # said last: the other mistakes come first
     with tempfile.TemporaryDirectory() as status, tempfile.TemporaryDirectory() as d:
         on_ranks(_traced_save, _KILL_WORLD, d, 1, atomic_save, None,
                  tempfile.mkdtemp(dir=status), what=f"atomic_save on {_KILL_WORLD} ranks",
@@ -439,6 +459,8 @@ def check_atomic_save(atomic_save) -> None:
         problem = _read_checkpoint(os.path.join(d, "step00000001"), 1, _KILL_WORLD)
         if problem:
             raise CheckFailed(f"after the killed step-2 save, step 1 is damaged: {problem}")
+    if unsynced:
+        raise CheckFailed(unsynced)
     passed(f"atomic_save on {_SAVE_WORLD} and {_KILL_WORLD} ranks: every file fsynced, the "
-           f"manifest fsynced, then one rename; with rank 1 killed mid-save, step 2 never "
-           f"appeared and step 1 stayed intact")
+           f"manifest fsynced, then one rename and its directory fsynced; with rank 1 killed "
+           f"mid-save, step 2 never appeared and step 1 stayed intact")
