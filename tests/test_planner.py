@@ -563,3 +563,47 @@ def test_llama3_mfu_with_the_measured_table(gpus, seq, dp, cp, published):
         assert out["assumed 50%"][1] < published
     else:
         assert published < out["assumed 50%"][1] and published < mfu
+
+
+# --- the roofline's verdict per axis (chapter 01) -------------------------------------------
+
+def _only(model, global_batch, topo, dp, tp, zero, recompute):
+    """A plan of the one structure DP dp x TP tp, and its best candidate."""
+    p = plan(model, global_batch, H100_80GB, topo, zero_stages=(zero,), recomputes=(recompute,),
+             micro_batches=(1,), interleaves=(1,), tp_sizes=(tp,), pp_sizes=(1,),
+             cp_sizes=(1,))
+    return p, p.find(dp, tp, 1)
+
+
+def test_pure_dp_balance_is_the_rooflines_dp_threshold():
+    """Pure DP on one node: the planner's dp ratio is roofline.dp_tokens over the tokens a
+    rank holds, scaled by the model's 6 P FLOPs per token over the FLOPs it executes, plus
+    NCCL's ring latency (14 NVLink steps) over the compute: exactly, to float rounding."""
+    from helpers.costs import hardware_flops_per_step, ring_latency, roofline
+    model, topo, gb, mfu = gpt(1.3, 32, 2048, 24), h100_cluster(1), 32, 0.5
+    p, e = _only(model, gb, topo, 8, 1, 0, "selective")
+    tokens_per_rank = gb * model.seq / 8
+    compute = hardware_flops_per_step(model, gb, "selective") / (8 * H100_80GB.peak_flops * mfu)
+    per_token = hardware_flops_per_step(model, 1, "selective") / model.seq
+    want = (roofline.dp_tokens(H100_80GB.peak_flops * mfu, topo.intra.bandwidth, 8)
+            / tokens_per_rank * 6 * model.dense_params() / per_token
+            + ring_latency(topo, "all_reduce", 8) / compute)
+    assert p.balance(e) == {"dp": pytest.approx(want, rel=1e-9)}
+    assert p.bound_axis(e) == ("dp", pytest.approx(want, rel=1e-9))
+
+
+def test_explain_names_the_bound_axis():
+    """70B, TP 8 in each node, DP 8 across nodes on one NIC per GPU: one sequence per DP
+    rank leaves the DP all-reduce the bound axis (4,096 tokens, under the NIC's threshold);
+    128 sequences per rank put it far under TP's four all-reduces per layer."""
+    topo = h100_cluster(8)
+    small, one = _only(LLAMA_70B, 8, topo, 8, 8, 1, "full")
+    assert small.bound_axis(one)[0] == "dp" and small.bound_axis(one)[1] > 1
+    assert "the bound axis is dp, communication-bound" in small.explain(one)
+    big, e = _only(LLAMA_70B, 1024, topo, 8, 8, 1, "full")
+    ratios = big.balance(e)
+    assert list(ratios) == ["tp", "dp"] and ratios["tp"] < 1
+    # TP's ratio does not depend on the batch: 6 all-reduces per layer (full recompute)
+    # against that layer's compute, the same at 8 and 1024 sequences
+    assert ratios["tp"] == pytest.approx(small.balance(one)["tp"], rel=1e-12)
+    assert f"the bound axis is tp, compute-bound by {1 / ratios['tp']:.1f}x" in big.explain(e)

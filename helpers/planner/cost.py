@@ -52,7 +52,7 @@ from helpers.planner.layouts import Layout, overlap_flags
 from helpers.topology.links import Topology
 
 __all__ = ["BF16", "flops_per_token", "stage_layers", "memory_terms", "time_terms",
-           "overlap", "gemm_efficiency"]
+           "axis_balance", "overlap", "gemm_efficiency"]
 
 BF16 = 2  # bytes of an activation, weight or gradient on the wire
 
@@ -110,13 +110,10 @@ def gemm_efficiency(model: ModelSpec, tp: int, tokens: int, table: GemmTable,
     return matmul_efficiency(model, tp, tokens, table, peak_flops)
 
 
-def time_terms(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topology,
-               mfu: float, gemm_table: GemmTable | None = None) -> dict:
-    """Seconds per step, by term (see the module docstring). ``mfu``: the assumed
-    share of peak of every executed FLOP, or, with ``gemm_table``, of the FLOPs
-    outside the layers' weight GEMMs (attention's score matmuls, the output layer),
-    the GEMMs running at ``gemm_efficiency`` for this layout's TP size and tokens
-    per micro-batch (micro-batch x seq / cp)."""
+def _axis_costs(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topology,
+                mfu: float, gemm_table: GemmTable | None = None) -> tuple[float, dict]:
+    """(compute seconds, {axis: ``AxisCost``}) of one step: what ``time_terms`` and
+    ``axis_balance`` read."""
     m = global_batch // lay.dp // lay.micro_batch          # micro-batches per replica
     layers = stage_layers(model, lay.pp)
     tokens = lay.micro_batch * (model.seq // lay.cp)       # one micro-batch on a CP rank
@@ -140,6 +137,29 @@ def time_terms(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo:
                        zero=lay.zero, micro_batches=m, micro_batch_time=compute / m,
                        shard=lay.dp * lay.cp, grad_bytes=BF16, weight_bytes=BF16,
                        **overlap(lay), whole_grads=lay.whole_grads)
+    return compute, {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "dp": dp}
+
+
+def time_terms(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topology,
+               mfu: float, gemm_table: GemmTable | None = None) -> dict:
+    """Seconds per step, by term (see the module docstring). ``mfu``: the assumed
+    share of peak of every executed FLOP, or, with ``gemm_table``, of the FLOPs
+    outside the layers' weight GEMMs (attention's score matmuls, the output layer),
+    the GEMMs running at ``gemm_efficiency`` for this layout's TP size and tokens
+    per micro-batch (micro-batch x seq / cp)."""
+    compute, axes = _axis_costs(model, lay, global_batch, gpu, topo, mfu, gemm_table)
+    m = global_batch // lay.dp // lay.micro_batch
     return {"compute": compute, "bubble": costs.bubble_time(compute, lay.pp, m, lay.interleave),
-            "tp_comm": tp.exposed, "pp_p2p": pp.exposed, "cp_comm": cp.exposed,
-            "ep_comm": ep.exposed, "dp_comm": dp.exposed}
+            "tp_comm": axes["tp"].exposed, "pp_p2p": axes["pp"].exposed,
+            "cp_comm": axes["cp"].exposed, "ep_comm": axes["ep"].exposed,
+            "dp_comm": axes["dp"].exposed}
+
+
+def axis_balance(model: ModelSpec, lay: Layout, global_batch: int, gpu: GPU, topo: Topology,
+                 mfu: float, gemm_table: GemmTable | None = None) -> dict:
+    """{axis: communication seconds / compute seconds} per step, every axis the layout
+    splits: the roofline's verdict per axis (``helpers.costs.roofline``; above 1 the
+    axis's collectives outlast the compute they could hide behind), whether or not the
+    step hides them. The same byte counts as ``time_terms``, all of each axis's time."""
+    compute, axes = _axis_costs(model, lay, global_batch, gpu, topo, mfu, gemm_table)
+    return {name: cost.time / compute for name, cost in axes.items() if cost.time > 0}

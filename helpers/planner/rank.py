@@ -17,6 +17,7 @@ import math
 from helpers.costs.gemm import GemmTable
 from helpers.frameworks.plan import GPU, ModelSpec
 from helpers.memory import GB
+from helpers.planner.cost import axis_balance
 from helpers.planner.layouts import CHAPTER, MEMORY_TERMS, TERMS, Candidate
 from helpers.topology.links import Topology
 
@@ -89,6 +90,22 @@ class Ranking:
         term = max(diffs, key=diffs.get)
         return term, diffs[term]
 
+    def balance(self, est: Candidate | None = None) -> dict:
+        """{axis: communication / compute seconds per step} of a feasible layout, largest
+        first (``cost.axis_balance``): the roofline's verdict per axis, chapter 01."""
+        e = est or self.best
+        if not e.feasible:
+            raise ValueError(f"{e.layout.short()} was rejected: {e.reason}")
+        ratios = axis_balance(self.model, e.layout, self.global_batch, self.gpu,
+                              self.topology, self.mfu, self.gemm_table)
+        return dict(sorted(ratios.items(), key=lambda kv: -kv[1]))
+
+    def bound_axis(self, est: Candidate | None = None) -> tuple[str, float] | None:
+        """(axis, communication / compute) of the axis nearest to communication-bound,
+        or None for a layout that communicates nothing (one GPU)."""
+        ratios = self.balance(est)
+        return next(iter(ratios.items()), None)
+
     def explain(self, est: Candidate | None = None) -> str:
         """One estimate, term by term, with the chapter that teaches each term."""
         e = est or self.best
@@ -112,6 +129,17 @@ class Ranking:
             if e.time[t] or t in ("compute", "bubble", "dp_comm"):
                 share = e.time[t] / e.step_time
                 lines.append(f"    {t:<12}{e.time[t]:8.3f} s  {share:6.1%}   (ch. {CHAPTER[t]})")
+        bound = self.bound_axis(e)
+        if bound is not None:
+            axis, ratio = bound
+            verdict = (f"communication-bound: its collectives take {ratio:.2f}x the compute"
+                       if ratio > 1 else
+                       f"compute-bound by {1 / ratio:.1f}x: its collectives take {ratio:.0%} "
+                       f"of the compute")
+            others = ", ".join(f"{a} {r:.2f}" for a, r in list(self.balance(e).items())[1:])
+            lines.append(f"  roofline (ch. 01): the bound axis is {axis}, {verdict}"
+                         + (f" (communication / compute of the others: {others})"
+                            if others else ""))
         return "\n".join(lines)
 
     def table(self, k: int = 8, per_structure: bool = True) -> str:
