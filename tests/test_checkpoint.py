@@ -651,3 +651,40 @@ def test_a_crash_while_replacing_a_step_keeps_both_copies_and_loads_the_one_befo
                                      "step00000002.replaced"]
     got = load_latest(d)
     assert got.step == 1 and torch.equal(got.state["w"], torch.full((2,), 1.0))
+
+
+def test_the_checksum_is_of_the_bytes_on_disk(tmp_path):
+    """A rank's file is written by torch.save straight into it and hashed from the page
+    cache while fsync runs: the manifest's size and sha256 are the file's, and the file
+    is what torch.load(weights_only=True) reads back."""
+    import hashlib
+    import json
+    d = str(tmp_path)
+    state = {"w": torch.arange(3000.0), "s": Shard(torch.ones(5), (10,), 5), "n": 3}
+    final = save(d, state, 7)
+    manifest = json.load(open(os.path.join(final, "manifest.json")))
+    raw = open(os.path.join(final, "rank0.pt"), "rb").read()
+    assert manifest["files"]["rank0.pt"]["bytes"] == len(raw)
+    assert manifest["files"]["rank0.pt"]["sha256"] == hashlib.sha256(raw).hexdigest()
+    got = load_latest(d).state
+    assert torch.equal(got["w"], state["w"]) and got["n"] == 3
+    assert torch.equal(got["s"].data, torch.ones(5)) and got["s"].offset == 5
+
+
+def _one_rank_cannot_write(directory):
+    from helpers.checkpoint.store import write
+
+    if rank_info().rank == 1:
+        def full_disk(path, tree):
+            raise OSError(28, "No space left on device")
+        write.write_tree = full_disk
+    save(directory, {"w": torch.ones(4)}, 3)
+
+
+def test_a_rank_that_cannot_write_its_file_stops_every_rank(tmp_path):
+    # every rank raises at once, naming rank 1; none waits in the next collective
+    # until the timeout (a RankTimeout would fail the match)
+    with pytest.raises(RankError, match=r"writing the files\) failed on rank 1: writing "
+                                        r".*rank1\.pt: \[Errno 28\] No space left"):
+        launch(_one_rank_cannot_write, 2, str(tmp_path), timeout=30)
+    assert os.listdir(tmp_path) == ["step00000003.partial"]  # never committed

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from helpers.checkpoint.store import Shard, serialize, write_checkpoint
+from helpers.checkpoint.store import Shard, encode, write_checkpoint
 from helpers.comm import world_size
 
 __all__ = ["AsyncSaver", "snapshot"]
@@ -110,8 +110,8 @@ class AsyncSaver:
     def _write(self, directory: str, state: dict, step: int) -> None:
         t0 = time.perf_counter()
         try:
-            data, layout = serialize(state)
-            write_checkpoint(directory, step, data, layout, self.group, keep=self.keep)
+            tree, layout = encode(state)
+            write_checkpoint(directory, step, tree, layout, self.group, keep=self.keep)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
         self.last_write_s = time.perf_counter() - t0

@@ -14,7 +14,7 @@ rank verified its files, and reshards by overlap of flat ranges (``load``).
 One mechanism per module, each opening with what it implements and its source:
 
 * ``format``: the files, their names and the state tree (``Shard``,
-  ``serialize``, ``list_checkpoints``);
+  ``encode``, ``list_checkpoints``; ``write_tree`` writes a rank's file);
 * ``agree``: every rank takes the same decision (one ``all_gather_object``);
 * ``write``: the atomic save protocol (``save``, ``write_checkpoint``);
 * ``load``: verify, agree, reshard (``load_latest``, ``CheckpointMismatch``).
@@ -22,10 +22,10 @@ One mechanism per module, each opening with what it implements and its source:
 Everything is re-exported here: ``from helpers.checkpoint.store import save`` works as before.
 """
 
-from helpers.checkpoint.store.format import (FORMAT, Shard, checkpoint_dir, list_checkpoints,
-                                             serialize)
+from helpers.checkpoint.store.format import (FORMAT, Shard, checkpoint_dir, encode,
+                                             list_checkpoints, serialize)
 from helpers.checkpoint.store.load import CheckpointMismatch, Loaded, load_latest
 from helpers.checkpoint.store.write import save, write_checkpoint
 
 __all__ = ["Shard", "Loaded", "save", "load_latest", "list_checkpoints", "checkpoint_dir",
-           "CheckpointMismatch", "serialize", "write_checkpoint"]
+           "CheckpointMismatch", "encode", "serialize", "write_checkpoint"]

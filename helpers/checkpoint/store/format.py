@@ -25,15 +25,18 @@ run any code), so we refuse them at save time, naming the key.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
+import mmap
 import os
 import re
+import threading
 from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "Shard", "checkpoint_dir", "list_checkpoints", "serialize", "decode",
-           "tree_leaves"]
+__all__ = ["FORMAT", "Shard", "checkpoint_dir", "list_checkpoints", "encode", "serialize",
+           "write_tree", "decode", "tree_leaves"]
 
 FORMAT = 1
 _NAME = re.compile(r"^step(\d{8})(\.partial)?$")
@@ -134,13 +137,13 @@ def tree_leaves(tree: Any, path: str = ""):
         yield path, tree
 
 
-def serialize(state: dict) -> tuple[bytes, dict]:
-    """(bytes of the rank's file, its layout for the manifest)."""
+def encode(state: dict) -> tuple[Any, dict]:
+    """(the tree the rank's file holds, its layout for the manifest). Raises TypeError
+    naming the key of anything ``torch.load(weights_only=True)`` would refuse.
+    ``torch.save`` of the tree is the file (``write_tree``)."""
     shards: dict[str, Shard] = {}
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode(state, "", shards, tensors)
-    buf = io.BytesIO()
-    torch.save(encoded, buf)
     layout = {
         "shards": {k: {"global_shape": list(s.global_shape), "offset": s.offset,
                        "numel": s.data.numel(), "dtype": str(s.data.dtype)}
@@ -148,4 +151,38 @@ def serialize(state: dict) -> tuple[bytes, dict]:
         "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype)}
                     for k, t in tensors.items()},
     }
+    return encoded, layout
+
+
+def serialize(state: dict) -> tuple[bytes, dict]:
+    """(bytes of the rank's file, its layout for the manifest): ``encode``, then
+    ``torch.save`` into memory. A save writes the tree straight into its file instead
+    (``write_tree``): no copy of the whole state in memory first."""
+    encoded, layout = encode(state)
+    buf = io.BytesIO()
+    torch.save(encoded, buf)
     return buf.getvalue(), layout
+
+
+def write_tree(path: str, encoded: Any) -> tuple[int, str]:
+    """Write an ``encode``d tree as the file ``path``, durably (data fsynced); returns
+    (its size in bytes, its sha256, hex).
+
+    ``torch.save`` writes into the file itself (through memory, it would first copy the
+    whole state into a growing buffer). The checksum is of the bytes in the file: read
+    back from the page cache (mmap, no copy), hashed in a thread while ``fsync`` waits
+    for the disk; both release the GIL, so the hash costs no wall time where the disk
+    is the slower of the two."""
+    with open(path, "w+b") as f:  # (+: readable, for the mmap)
+        torch.save(encoded, f)
+        f.flush()                 # Python's buffer -> the OS
+        size = f.tell()
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as view:
+            digest: list[str] = []
+            hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(view).hexdigest()))
+            hasher.start()
+            try:
+                os.fsync(f.fileno())  # the OS's page cache -> the disk
+            finally:
+                hasher.join()
+    return size, digest[0]

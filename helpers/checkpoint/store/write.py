@@ -4,9 +4,9 @@ Follows POSIX: fsync(2) makes a file's data durable, then its directory
 entry; rename(2) within one file system is atomic (write, fsync, rename).
 The files and the manifest are ``helpers.checkpoint.store.format``'s.
 
-A save is a collective. Every rank serializes its state, rank 0 makes
-``step00000012.partial/``, each rank writes, flushes and fsyncs its file,
-rank 0 gathers the checksums, writes the manifest (fsynced), and only then
+A save is a collective. Every rank checks its state can be saved, rank 0 makes
+``step00000012.partial/``, each rank writes its file (``torch.save`` straight into
+it), flushes and fsyncs it, hashing it meanwhile, rank 0 gathers the checksums, writes the manifest (fsynced), and only then
 renames the directory to ``step00000012``. A rename within one file system is
 atomic (POSIX rename(2)), so a reader sees either no checkpoint or a complete
 one; a job killed half-way leaves a ``.partial`` directory that the loader
@@ -21,16 +21,15 @@ and readers trust only checkpoints that have one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from helpers.checkpoint.store.agree import gather_all, raise_if_any, rank_and_world
-from helpers.checkpoint.store.format import FORMAT, checkpoint_dir, list_checkpoints, serialize
+from helpers.checkpoint.store.format import FORMAT, checkpoint_dir, encode, list_checkpoints, write_tree
 from helpers.validate import int_at_least, positive_int
 
 __all__ = ["save", "write_checkpoint"]
@@ -68,10 +67,10 @@ def _replace_dir(new: str, final: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def write_checkpoint(directory: str, step: int, data: bytes, layout: dict, group=None,
+def write_checkpoint(directory: str, step: int, tree: Any, layout: dict, group=None,
                      on_written: Callable[[str], None] | None = None,
                      keep: int | None = None) -> str:
-    """The collective part of a save, given this rank's serialized bytes.
+    """The collective part of a save, given this rank's ``encode``d state and its layout.
 
     Shared by the blocking ``save`` and the background thread of ``AsyncSaver``.
     """
@@ -90,11 +89,15 @@ def write_checkpoint(directory: str, step: int, data: bytes, layout: dict, group
 
     name = f"rank{rank}.pt"
     path = os.path.join(tmp, name)
-    _write_durably(path, data)
-    digest = hashlib.sha256(data).hexdigest()
-    if on_written is not None:
+    try:
+        size, digest = write_tree(path, tree)
+        meta = {"file": name, "bytes": size, "sha256": digest, **layout}
+    except OSError as exc:  # a full disk, say: every rank must hear of it, not wait
+        meta = {"error": f"writing {path}: {exc}"}
+    if on_written is not None and "error" not in meta:
         on_written(path)  # the chapter kills a rank here to show a crash mid-save
-    metas = gather_all({"file": name, "bytes": len(data), "sha256": digest, **layout}, group)
+    metas = gather_all(meta, group)
+    raise_if_any([m.get("error") for m in metas], "checkpoint save (writing the files)")
 
     err = None
     if rank == 0:
@@ -149,13 +152,13 @@ def save(directory: str, state: dict, step: int, group=None, keep: int | None = 
     int_at_least("step", step, 0)
     if keep is not None:
         positive_int("keep (None: keep all)", keep)
-    err, data, layout = None, b"", {}
+    err, tree, layout = None, None, {}
     try:
-        data, layout = serialize(state)
+        tree, layout = encode(state)
     except (TypeError, ValueError) as exc:
         err = str(exc)
     # Agree before any file exists: one rank with a bad state must not leave
     # the others waiting in a collective.
     raise_if_any(gather_all(err, group), "checkpoint save")
-    return write_checkpoint(directory, step, data, layout, group, on_written, keep)
+    return write_checkpoint(directory, step, tree, layout, group, on_written, keep)
 
