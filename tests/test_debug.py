@@ -514,3 +514,27 @@ def test_a_rank_waiting_for_one_that_returned_is_named_without_waiting_for_the_t
     assert time.monotonic() - t0 < 10, "the deadlock was found only by the timeout"
     assert says in str(err.value) and "rank 1" in str(err.value)
     assert err.value.ranks == [0] and err.value.diff is not None
+
+
+def test_dashboard_legend_covers_no_alert():
+    """The loss panel's legend (val_loss) sits where no alert marker is: a spike late in
+    the run lands in the upper right, where a fixed legend once hid it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from helpers.debug.monitor import HealthMonitor
+
+    mon = HealthMonitor()
+    for step in range(40):
+        loss = 4.0 - 0.01 * step + (3.0 if step == 31 else 0.0) + 0.001 * (step % 3)
+        mon.log(step, loss, val_loss=loss if step % 10 == 9 else None)
+    assert any(a.metric == "loss" and a.step == 31 for a in mon.alerts)
+    axes = mon.plot(("loss",))
+    fig = axes[0].figure
+    fig.canvas.draw()
+    box = axes[0].get_legend().get_window_extent()
+    for a in mon.alerts:
+        x, y = axes[0].transData.transform((a.step, a.value))
+        assert not (box.x0 <= x <= box.x1 and box.y0 <= y <= box.y1), a.text
+    plt.close(fig)

@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 
 from helpers import RankError, launch  # noqa: E402
 from helpers.debug import first_disagreement  # noqa: E402
+from helpers.drawing import FRAME_TEXT_PT  # noqa: E402
 from helpers.drawing.recorder import call_lists, draw_call_lists  # noqa: E402
 from planted_bugs import crashes_mid_step, skips_a_collective, swaps_two_collectives  # noqa: E402
 
@@ -21,7 +22,18 @@ def test_the_picture_is_the_records_and_their_diff(bug, odd):
     with pytest.raises(RankError) as info:
         launch(bug, 3, record=True, timeout=6)
     records = info.value.records
-    fig, data = draw_call_lists({"bug": records})
+    fig, data = draw_call_lists({"bug": records, "again": records})
+    # every text inside its own cell, at the readable size: nothing runs into the next
+    # rank's column (an outcome such as "raised RuntimeError" wraps instead)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        cells = [p.get_window_extent(renderer) for p in ax.patches]
+        for t in ax.texts:
+            assert t.get_fontsize() >= FRAME_TEXT_PT, t
+            box = t.get_window_extent(renderer)
+            assert any(c.x0 - 1 <= box.x0 and box.x1 <= c.x1 + 1 and c.y0 - 1 <= box.y0
+                       and box.y1 <= c.y1 + 1 for c in cells), (t.get_text(), box)
     plt.close(fig)
     drawn = data["bug"]
     assert drawn == call_lists(records)

@@ -254,10 +254,13 @@ class HealthMonitor:
             if m == "loss" and any(v is not None for v in self.history["val_loss"]):
                 val = [(s, v) for s, v in zip(self.steps, self.history["val_loss"]) if v is not None]
                 ax.plot(*zip(*val), "o-", ms=4, label="val_loss")
-                ax.legend(loc="upper right")
             for a in self.alerts:
                 if a.metric == m:
                     ax.plot(a.step, a.value, "o", color="red", ms=8)
+            if ax.get_legend_handles_labels()[1]:
+                # placed after the alert markers, where it covers the fewest of them and
+                # of the curves (a spike sits in any fixed corner sooner or later)
+                ax.legend(loc="best")
             ax.set_title(m)
             ax.set_xlabel("step")
         for ax in list(axes)[len(shown):]:
