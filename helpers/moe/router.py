@@ -52,8 +52,8 @@ affinities *only where experts are chosen*, and leaves the gates unbiased:
 
 ``b`` is not a parameter (no gradient); gamma is the bias update speed (1e-3
 in DeepSeek-V3 and as Megatron-Core's ``moe_router_bias_update_rate``
-default, ``--moe-router-enable-expert-bias``, Megatron-Core 0.20.0;
-torchtitan 0.2.2 also subtracts the mean of the update,
+default, ``--moe-router-enable-expert-bias``, Megatron-Core main of 2026-08-22, d98e8a6;
+torchtitan main of 2026-08-21 (b5bcd76) also subtracts the mean of the update,
 ``components/optimizer/optimizer.py``). ``route_with_bias`` and
 ``update_expert_bias`` below.
 """

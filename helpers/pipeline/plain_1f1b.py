@@ -4,9 +4,9 @@
 messages first (time-step groups, vector clocks). 1F1B alone needs none of
 that: its order is fixed, so it can be written out, as Megatron-LM does in
 ``forward_backward_pipelining_without_interleaving``
-(megatron/core/pipeline_parallel/schedules.py, Megatron-Core 0.20.0; the paired
-calls ``send_forward_recv_backward`` / ``send_backward_recv_forward`` are in
-p2p_communication.py). Same shape, our own code; it gives the executor's loss
+(megatron/core/pipeline_parallel/schedules.py, Megatron-Core main, d98e8a6 of
+2026-08-22; the paired calls ``send_forward_recv_backward`` /
+``send_backward_recv_forward`` are in p2p_communication.py). Same shape, our own code; it gives the executor's loss
 and gradients bit for bit (tests/test_pipeline_plain_1f1b.py).
 
 Rank r of p, m micro-batches:
