@@ -58,6 +58,18 @@ def _equal_sizes(my_ids, num_samples, group):  # all-gather assuming equal sizes
     return len(every) - len(set(every)), num_samples - len(set(every))
 
 
+def _padding_counted(my_ids, num_samples, group):  # the -1 padding left in: bincount raises
+    world = dist.get_world_size(group)
+    sizes = [None] * world
+    dist.all_gather_object(sizes, my_ids.numel(), group=group)
+    padded = torch.full((max(sizes),), -1, dtype=torch.long, device=my_ids.device)
+    padded[:my_ids.numel()] = my_ids
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    uses = torch.bincount(torch.cat(out).cpu(), minlength=num_samples)
+    return int((uses - 1).clamp(min=0).sum()), int((uses == 0).sum())
+
+
 def _local(my_ids, num_samples, group):  # no communication: only this rank's ids
     ids = my_ids.tolist()
     return len(ids) - len(set(ids)), num_samples - len(set(ids))
@@ -147,6 +159,11 @@ def _fields(saved, expected, fields, fmt=True, shape=list):
     return out
 
 
+def _indexes_missing(saved, expected):  # looks every expected name up: KeyError
+    out = ["format differs"] if saved["format"] != expected["format"] else []
+    return out + [k for k in expected["tensors"] if saved["tensors"][k] != expected["tensors"][k]]
+
+
 def _numel(shape):
     return int(torch.tensor(shape).prod())
 
@@ -181,6 +198,8 @@ class TestChapter22(ChapterChecks):
         Wrong("audit_ledgers", _equal_sizes, "all-gather assuming equal sizes",
               says="exchange the sizes first|different numbers of ids"),
         Wrong("audit_ledgers", _local, "no communication", says="without any collective"),
+        Wrong("audit_ledgers", _padding_counted, "the -1 padding counted: bincount raises",
+              says="failed on a rank: .*bincount|failed on a rank: .*negative"),
         Wrong("audit_ledgers", _course_ledger, "calls helpers.data_health.audit_on_ranks",
               says="switched off in this check"),
         Wrong("audit_ledgers", lambda ids, n, g: None, "returns None",
@@ -210,6 +229,8 @@ class TestChapter22(ChapterChecks):
                                           if "unexpected" not in p],
               "missing names only, not unexpected ones", says="does not have"),
         Wrong("compatible", lambda s, e: s == e, "a bool", says="must return a list"),
+        Wrong("compatible", _indexes_missing, "raises KeyError on a missing name",
+              says=r"\(a tensor missing from the checkpoint\) raised KeyError: 'ln_f.bias'"),
         Wrong("compatible", lambda s, e: ["mismatch"] if s != e else ["ok"],
               "a problem for identical signatures", says="expected no problem"),
     ]
