@@ -16,7 +16,12 @@ from helpers.drawing.data_parallel import (draw_dp_step, global_batch_gradient, 
 def test_the_picture_is_the_run(world, batch):
     record = launch(record_dp_step, world, batch)
     reference = global_batch_gradient(batch)
-    _, data = draw_dp_step(record, reference)
+    fig, data = draw_dp_step(record, reference)
+    # the colours have a scale (a colour bar, labelled with the value the ends stand for),
+    # and the figure is no wider than the site's column
+    from helpers.drawing import COLUMN_INCHES
+    bars = [ax for ax in fig.axes if "largest |element|" in ax.get_xlabel()]
+    assert len(bars) == 1 and fig.get_size_inches()[0] <= COLUMN_INCHES + 1e-9
     assert data["world"] == world
     assert data["rows"] == {r: rec["rows"] for r, rec in enumerate(record)}
     assert sorted(i for rows in data["rows"].values() for i in rows) == list(range(batch))

@@ -83,7 +83,7 @@ def draw_dp_step(record: list[dict], reference: list[float] | None = None):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from helpers.drawing import rank_color
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT, rank_color
 
     world = len(record)
     rows = {r: list(rec["rows"]) for r, rec in enumerate(record)}
@@ -95,24 +95,26 @@ def draw_dp_step(record: list[dict], reference: list[float] | None = None):
     scale = max(abs(v) for s in strips for v in s) or 1.0
 
     fig, (ax_b, ax_l, ax_a) = plt.subplots(
-        1, 3, figsize=(10, 0.45 * max(batch, 2 * world + 2) + 1.2),
-        gridspec_kw={"width_ratios": [1, 3, 3]})
+        1, 3, figsize=(COLUMN_INCHES, 0.45 * max(batch, 2 * world + 2) + 2.0),
+        gridspec_kw={"width_ratios": [1.3, 3, 3]}, layout="constrained")
     for i in range(batch):  # the global batch, one row per sequence
         ax_b.add_patch(plt.Rectangle((0, i), 1, 0.9, color=rank_color(owner[i]), alpha=0.8))
         ax_b.text(0.5, i + 0.45, f"row {i}: rank {owner[i]}", ha="center", va="center",
-                  fontsize=7)
+                  fontsize=FRAME_TEXT_PT)
     ax_b.set_xlim(0, 1)
     ax_b.set_ylim(batch, 0)
-    ax_b.set_title("global batch", fontsize=9)
+    ax_b.set_title("global batch", fontsize=FRAME_TEXT_PT + 1)
     ax_b.axis("off")
 
     def strip(ax, y, values, label, color):
-        ax.imshow(np.array([values]) / scale, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto",
-                  extent=(0, len(values), y + 0.85, y + 0.1))
-        ax.text(-0.3, y + 0.48, label, ha="right", va="center", fontsize=8, color=color)
+        image = ax.imshow(np.array([values]) / scale, cmap="RdBu_r", vmin=-1, vmax=1,
+                          aspect="auto", extent=(0, len(values), y + 0.85, y + 0.1))
+        ax.text(-0.3, y + 0.48, label, ha="right", va="center", fontsize=FRAME_TEXT_PT,
+                color=color)
+        return image
 
     for r in range(world):
-        strip(ax_l, r, local[r], f"rank {r}", rank_color(r))
+        image = strip(ax_l, r, local[r], f"rank {r}", rank_color(r))
         strip(ax_a, r, averaged[r], f"rank {r}", rank_color(r))
     if reference is not None:
         strip(ax_a, world + 0.4, reference, "one process,\nwhole batch", "black")
@@ -120,11 +122,18 @@ def draw_dp_step(record: list[dict], reference: list[float] | None = None):
                       (ax_a, "after the all-reduce (sum / p)")):
         ax.set_xlim(0, len(local[0]))
         ax.set_ylim(world + 1.4, 0)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=FRAME_TEXT_PT + 1)
         ax.set_xticks([])
         ax.set_yticks([])
         ax.grid(False)
-    fig.tight_layout()
+        for side in ax.spines.values():
+            side.set_visible(False)
+    # one scale for every strip: red positive, blue negative, white zero
+    bar = fig.colorbar(image, ax=(ax_l, ax_a), orientation="horizontal", shrink=0.6,
+                       aspect=40)
+    bar.set_label(f"gradient element / {scale:.2g} (the largest |element| drawn)",
+                  fontsize=FRAME_TEXT_PT)
+    bar.ax.tick_params(labelsize=FRAME_TEXT_PT)
     worst = (max(abs(a - b) for s in averaged for a, b in zip(s, reference))
              if reference is not None else None)
     data = {"world": world, "rows": rows, "local": local, "averaged": averaged,
