@@ -113,11 +113,21 @@ def interact(fn: Callable, **controls: Any) -> None:
     show_widget(w, fn, **{c._kwarg: c.value for c in w.kwargs_widgets})
 
 
-def show_widget(widget, fn: Callable, **kwargs: Any) -> None:
-    """Display ``widget`` with a static picture of ``fn(**kwargs)``'s output (what the
-    widget shows at its initial settings) in the same output, for a notebook not run yet."""
+# What a widget's stored picture shows, kept in its output's metadata (the site's caption
+# under it says which): the output at the controls' first settings, or every step of a
+# slider side by side (``helpers.drawing.step_frames``' strip).
+PICTURE_KEY = "course_picture"
+FIRST_SETTINGS, EVERY_STEP = "first settings", "every step"
+
+
+def show_widget(widget, fn: Callable, *, picture: str = FIRST_SETTINGS, **kwargs: Any) -> None:
+    """Display ``widget`` with a static picture of ``fn(**kwargs)``'s output in the same
+    output, for a notebook not run yet: by default what the widget shows at its initial
+    settings; ``picture=EVERY_STEP`` says the picture is every step of a slider."""
     from IPython.display import display
 
+    if picture not in (FIRST_SETTINGS, EVERY_STEP):
+        raise ValueError(f"picture must be {FIRST_SETTINGS!r} or {EVERY_STEP!r}, got {picture!r}")
     bundle = widget._repr_mimebundle_()  # {widget-view+json, text/plain}
     bundle.update(_snapshot(fn, kwargs))
-    display(bundle, raw=True)
+    display(bundle, raw=True, metadata={PICTURE_KEY: picture})

@@ -122,6 +122,40 @@ def test_staging_captions_widget_pictures_and_drops_the_run_line():
     assert outs[4]["data"] == {"text/html": build.NO_PICTURE}
 
 
+def test_a_strip_is_captioned_as_every_step_not_the_first_settings():
+    """A slider's stored strip (step_frames) is every step side by side: its caption says
+    so, where another widget's picture is its first settings."""
+    from helpers import plots
+
+    assert (build.PICTURE_KEY, build.EVERY_STEP) == (plots.PICTURE_KEY, plots.EVERY_STEP)
+    view = {"model_id": "m", "version_major": 2, "version_minor": 0}
+    data = {build.WIDGET: view, "text/plain": "interactive(...)", "image/png": "iVBORw0KGgo="}
+    strip = nbformat.v4.new_output("display_data", data=dict(data),
+                                   metadata={plots.PICTURE_KEY: plots.EVERY_STEP})
+    first = nbformat.v4.new_output("display_data", data=dict(data),
+                                   metadata={plots.PICTURE_KEY: plots.FIRST_SETTINGS})
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("...", outputs=[strip, first])])
+    assert build.static_widgets(nb) == 0
+    captions = [o["data"]["text/html"] for o in nb.cells[0].outputs[1::2]]
+    assert captions == [build.STRIP_CAPTION, build.WIDGET_CAPTION]
+
+
+def test_step_frames_marks_its_picture_as_every_step(monkeypatch):
+    """step_frames' stored picture carries the mark the site reads."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import IPython.display
+
+    from helpers.drawing import step_frames
+    from helpers.plots import EVERY_STEP, PICTURE_KEY
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display",
+                        lambda obj, raw=False, metadata=None: shown.append(metadata))
+    step_frames(lambda ax, i: ax.plot([0, i]), 2)
+    assert shown == [{PICTURE_KEY: EVERY_STEP}]
+
+
 def _book():
     chapters = [("course/01_why", "01 · Why (course)"), ("course/06_memory", "06 · Memory (course)"),
                 ("course/21_moe", "21 · Experts (course)"), ("course/33_new", "33 · A new chapter (course)")]

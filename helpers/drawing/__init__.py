@@ -102,7 +102,7 @@ def step_frames(draw_frame: Callable[[Any, int], None], steps: int, *, label: st
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
-    from helpers.plots import show_widget
+    from helpers.plots import EVERY_STEP, show_widget
 
     def one(**kw):
         fig, ax = plt.subplots(figsize=frame_size)
@@ -118,7 +118,7 @@ def step_frames(draw_frame: Callable[[Any, int], None], steps: int, *, label: st
 
     slider = widgets.IntSlider(value=0, min=0, max=steps - 1, description=label,
                                style={"description_width": "initial"})
-    show_widget(widgets.interactive(one, **{label: slider}), strip)
+    show_widget(widgets.interactive(one, **{label: slider}), strip, picture=EVERY_STEP)
 
 
 __all__ = ["RANK_COLORS", "COLUMN_INCHES", "MAX_PER_ROW", "FRAME_TEXT_PT", "rank_color",

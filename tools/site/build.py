@@ -220,6 +220,14 @@ NO_PICTURE = ('<p class="widget-note"><em>An interactive control is here: open t
 WIDGET_CAPTION = ('<p class="widget-caption">In the notebook this output has live controls; '
                   'here it is shown at their first settings. Open the notebook in JupyterLab '
                   'and run the cell to move them.</p>')
+# Under a slider's strip (helpers.drawing.step_frames, marked in the output's metadata
+# by helpers.plots.show_widget): the picture is every step, not the first one. The key and
+# value are helpers.plots' PICTURE_KEY and EVERY_STEP (the build does not import helpers;
+# tests/test_site.py checks they agree).
+PICTURE_KEY, EVERY_STEP = "course_picture", "every step"
+STRIP_CAPTION = ('<p class="widget-caption">In the notebook this output is a slider over the '
+                 'steps; here every step is shown side by side. Open the notebook in JupyterLab '
+                 'and run the cell to step through them.</p>')
 # helpers.plots._snapshot's line for a notebook not run yet: true in JupyterLab, not on a page.
 RUN_TO_GET = re.compile(r"\s*Run the cell to get the controls\.")
 
@@ -240,7 +248,9 @@ def static_widgets(nb: nbformat.NotebookNode) -> int:
                 continue
             if "text/html" in data:
                 data["text/html"] = RUN_TO_GET.sub("", _text(data["text/html"]))
-            outputs.append(nbformat.v4.new_output("display_data", data={"text/html": WIDGET_CAPTION}))
+            strip = out.get("metadata", {}).get(PICTURE_KEY) == EVERY_STEP
+            caption = STRIP_CAPTION if strip else WIDGET_CAPTION
+            outputs.append(nbformat.v4.new_output("display_data", data={"text/html": caption}))
         if "outputs" in cell:
             cell["outputs"] = outputs
     return bare
