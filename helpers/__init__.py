@@ -11,16 +11,21 @@ first cells run, so the first launch finds it ready); ranks and scripts skip bot
 import sys
 
 from helpers.launch import RankError, RankInfo, RankTimeout, launch, rank_info, shutdown
+
+if "ipykernel" in sys.modules:  # a Jupyter kernel; ranks are plain processes and never plot
+    from helpers.launch import info as _info, pool as _pool
+
+    # First: the server's seconds overlap the rest of this import (matplotlib's among them).
+    if not _info.under_torchrun() and not _info.in_rank():
+        _pool.prestart()
+
 # The collective recorder plugs into the launcher (launch(..., record=True) and
 # the diff a failed launch ends with); importing it here registers it.
 import helpers.debug  # noqa: E402,F401
 
-if "ipykernel" in sys.modules:  # a Jupyter kernel; ranks are plain processes and never plot
+if "ipykernel" in sys.modules:
     from helpers import plots as _plots
-    from helpers.launch import info as _info, pool as _pool
 
     _plots.use()
-    if not _info.under_torchrun() and not _info.in_rank():
-        _pool.prestart()
 
 __all__ = ["launch", "rank_info", "RankInfo", "RankError", "RankTimeout", "shutdown"]

@@ -298,6 +298,32 @@ def test_in_a_notebook_the_server_starts_with_the_import(capsys):
     assert LAUNCH._POOL is server
 
 
+def test_in_a_kernel_import_helpers_starts_the_server_before_its_slow_imports():
+    """In a kernel, ``import helpers`` starts the server first, so that its seconds
+    overlap the rest of the import (the collective recorder, matplotlib), not follow it.
+    A fresh interpreter that looks like a kernel records, with an audit hook, when the
+    server's process starts and when matplotlib is imported."""
+    probe = textwrap.dedent("""
+        import sys, types
+        sys.modules["ipykernel"] = types.ModuleType("ipykernel")  # looks like a kernel
+        events = []
+        def hook(event, args):
+            if event == "subprocess.Popen" or (event == "import" and args[0] == "matplotlib"):
+                events.append(event)
+        sys.addaudithook(hook)
+        import helpers
+        from helpers.launch import pool
+        assert pool._POOL is not None, "import helpers started no server"
+        pool.shutdown()
+        print(events[:2])
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items()
+                                            if k != "_COURSE_POOL_WORKER"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "['subprocess.Popen', 'import']"
+
+
 def test_same_seed_on_every_rank_matches_single_process():
     torch.manual_seed(0)
     want = torch.rand(4)
