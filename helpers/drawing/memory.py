@@ -66,23 +66,25 @@ def draw_saved_over_step(record: dict, title: str | None = None):
     ``saved_over_step(record)``."""
     import matplotlib.pyplot as plt
 
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT
+
     data = saved_over_step(record)
     parts, live = data["parts"], data["live"]
     xs = list(range(len(live)))
     cmap = plt.get_cmap("viridis")
     colors = [cmap(0.15 + 0.7 * j / max(1, len(parts) - 1)) for j in range(len(parts))]
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = plt.subplots(figsize=(COLUMN_INCHES, 4.2), layout="constrained")
     ax.stackplot(xs, *[[row[j] / 1e3 for row in live] for j in range(len(parts))],
                  labels=parts, colors=colors, step="post")
     ax.axvline(data["forward_events"], color="k", ls="--", lw=1)
-    ax.text(data["forward_events"], 1.0, "end of forward", transform=ax.get_xaxis_transform(),
-            ha="center", va="bottom", fontsize=8)
+    # just above the axes (the stack peaks right under it); the title is lifted clear of it
+    ax.text(data["forward_events"], 1.01, "end of forward", transform=ax.get_xaxis_transform(),
+            ha="center", va="bottom", fontsize=FRAME_TEXT_PT)
     ax.set_xlabel("storages saved (forward) and freed (backward), in the order it happened",
-                  fontsize=8)
+                  fontsize=FRAME_TEXT_PT)
     ax.set_ylabel("KB kept for backward")
     ax.set_xlim(0, len(live) - 1)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.legend(loc="outside lower center", ncol=3, fontsize=FRAME_TEXT_PT)
     if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
+        ax.set_title(title, pad=4 + 2 * FRAME_TEXT_PT)
     return fig, data

@@ -107,7 +107,8 @@ def explain_saved_bytes(cfg, batch: int, seq: int, dtype: torch.dtype = torch.bf
     layer_norm("ln_f")
     add("lm_head", "input", "output layer input (sec. 4.3)", sbh * e)
     if with_loss:
-        add("<top>", "log-softmax of the logits", "cross-entropy logits: 4sbv in fp32 (sec. 4.3)",
+        add("<top>", "log-softmax of the logits",
+            "cross-entropy logits: 4sbv in fp32 (sec. 4.3); here in the run's dtype",
             s * b * v * e)
         add("<top>", "targets (int64)", "not counted", s * b * 8)
         add("<top>", "total weight (1 element)", "not counted", e)

@@ -70,7 +70,13 @@ def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
     ``"view"``, ``"copy"``: see ``memory_over_step``)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.2), squeeze=False)
+    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT
+
+    # one row as wide as the site's column, one scale, one legend under the panels (a
+    # legend inside a panel covered its stack)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(COLUMN_INCHES, 4.2), squeeze=False,
+                             sharey=True, layout="constrained")
+    handles = {}
     for ax, (name, budget) in zip(axes[0], budgets.items()):
         points = memory_over_step(budget, layers,
                                   grad_buffer=(grad_buffer or {}).get(name, False))
@@ -85,13 +91,16 @@ def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
         if gpu_gb:
             ax.axhline(gpu_gb, color="k", ls="--", lw=1, label=f"{gpu_gb:g} GB GPU")
         ax.axvspan(layers, 2 * layers, color="0.9", zorder=0)  # backward
+        # short labels, turned: the last two ticks are only half a forward apart
         ax.set_xticks([0, layers, 2 * layers, 2 * layers + gap],
-                      ["start", "end of\nforward", "end of\nbackward", "optimizer\nstep"],
-                      fontsize=8)
-        ax.set_title(name.replace("\n", " "), fontsize=9)
-        ax.set_ylabel("GB per GPU")
-        ax.legend(fontsize=7, loc="upper left")
-    plt.tight_layout()
+                      ["start", "end fwd", "end bwd", "opt. step"], fontsize=FRAME_TEXT_PT,
+                      rotation=40, ha="right", rotation_mode="anchor")
+        ax.set_title(name, fontsize=FRAME_TEXT_PT)
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    axes[0][0].set_ylabel("GB per GPU")
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=3,
+               fontsize=FRAME_TEXT_PT)
     return axes[0]
 
 
