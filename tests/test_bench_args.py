@@ -34,6 +34,9 @@ CASES = [
     ("bench_debug", ["--steps", "1"], "--steps must be >= 2"),
     ("bench_debug", ["--ranks", "1"], "--ranks must be >= 2"),
     ("bench_debug", ["--calls", "0"], "--calls must be >= 1"),
+    ("bench_launch", ["--repeats", "0"], "--repeats must be >= 1"),
+    ("bench_first_check", ["--kernels", "0"], "--kernels must be >= 1"),
+    ("bench_first_check", ["--lab", "99"], "no solutions/99_"),
 ]
 
 
