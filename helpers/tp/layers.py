@@ -55,8 +55,9 @@ def shard(w: torch.Tensor, dim: int, t: int, r: int, parts: int = 1) -> torch.Te
     (.., parts * t * n, ..) -> (.., parts * n, ..); a copy, so the shard owns its memory.
     """
     if w.size(dim) % (parts * t):
-        raise ValueError(f"dim {dim} of size {w.size(dim)} does not divide into {parts} "
-                         f"part(s) over tensor-parallel size {t}")
+        into = f" into {parts} parts" if parts > 1 else ""   # parts: chapter 09's QKV
+        raise ValueError(f"dim {dim} of size {w.size(dim)} does not divide{into} over "
+                         f"tensor-parallel size {t}")
     return w.unflatten(dim, (parts, t, -1)).select(dim + 1, r).flatten(dim, dim + 1).clone()
 
 
