@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from helpers.plots import COLUMN_INCHES, FRAME_TEXT_PT
+
 # Rank colours: matplotlib's tab10 order, so that rank r has one colour in every
 # picture of every chapter (rank 0 blue, 1 orange, 2 green, 3 red, ...).
 RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
@@ -42,13 +44,9 @@ def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
-# The site's text column is 832 px wide and figures are drawn at 100 px an inch
-# (``helpers.plots.STYLE``), so a figure at most this wide is shown at its natural size:
-# its labels keep the size they were drawn at. A wider one is shrunk to fit, and its
-# labels with it (six 3-inch frames in a row came out at 47 %, 7-pt labels at ~4.5 px).
-COLUMN_INCHES = 8.3
+# COLUMN_INCHES (the site's text column) and FRAME_TEXT_PT (the smallest text in a
+# frame) live in helpers.plots, with the style they follow from.
 MAX_PER_ROW = 3            # three frames of ~2.8 in: each still holds labels at FRAME_TEXT_PT
-FRAME_TEXT_PT = 10         # the smallest text inside a frame: ~14 px, body text is 17 px
 
 
 def strip_layout(steps: int, per_row: int | None = None) -> tuple[int, int]:

@@ -70,7 +70,7 @@ def plot_memory_over_step(budgets: dict[str, dict[str, float]], layers: int,
     ``"view"``, ``"copy"``: see ``memory_over_step``)."""
     import matplotlib.pyplot as plt
 
-    from helpers.drawing import COLUMN_INCHES, FRAME_TEXT_PT
+    from helpers.plots import COLUMN_INCHES, FRAME_TEXT_PT
 
     # one row as wide as the site's column, one scale, one legend under the panels (a
     # legend inside a panel covered its stack)
