@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checks_harness import ChapterChecks, Check, Wrong
+from checks_harness import ChapterChecks, Check, Right, Wrong
 from helpers.checks import ch21
 
 
@@ -103,6 +103,50 @@ def _overwrite(out, token_ids, gates, T):  # assignment keeps only one choice pe
     return y
 
 
+def _balance(logits, k, bias, rate, choose="biased", weigh="s", affinity="sigmoid", norm=True,
+             update="sign", at_mean=True, in_place=False, minlength=True, center=False):
+    """The right balance step with one mistake switched on."""
+    a = logits.float()
+    s = torch.sigmoid(a) if affinity == "sigmoid" else torch.softmax(a, -1)
+    experts = (s + bias if choose == "biased" else s).topk(k, dim=-1).indices
+    chosen = (s if weigh == "s" else s + bias).gather(-1, experts)
+    gates = chosen / chosen.sum(-1, keepdim=True) if norm else chosen
+    load = torch.bincount(experts.reshape(-1), minlength=bias.numel() if minlength else 0)
+    load = load.to(bias.dtype)
+    gap = load.mean() - load
+    if update == "sign":
+        step = rate * torch.sign(gap)
+    elif update == "flipped":
+        step = -rate * torch.sign(gap)
+    else:  # proportional
+        step = rate * gap
+    if not at_mean:   # a two-way where: an expert at the mean gains rate too
+        step = torch.where(load > load.mean(), -rate, rate)
+    if center:        # torchtitan's variant
+        step = step - step.mean()
+    if in_place:
+        return gates, experts, bias.add_(step)
+    return gates, experts, bias + step
+
+
+def _balance_other_style(logits, k, bias, rate):
+    """Right, written another way: one-hot loads, choices in ascending expert order."""
+    s = logits.float().sigmoid()
+    experts = torch.sort((s + bias).topk(k, dim=-1).indices, dim=-1).values
+    chosen = torch.gather(s, 1, experts)
+    load = F.one_hot(experts, bias.numel()).sum(dim=(0, 1)).float()
+    new = bias.clone()
+    new[load > load.mean()] -= rate
+    new[load < load.mean()] += rate
+    return chosen / chosen.sum(1, keepdim=True), experts, new
+
+
+def _course_balance(logits, k, bias, rate):  # the chapter's helpers, one call each
+    from helpers.moe.router import route_with_bias, update_expert_bias
+    _, gates, experts = route_with_bias(logits, k, bias)
+    return gates, experts, update_expert_bias(bias, experts, rate)
+
+
 class TestChapter21(ChapterChecks):
     lab = "labs/21_expert_parallelism_lab.ipynb"
     sol = "solutions/21_expert_parallelism_solution.ipynb"
@@ -110,7 +154,12 @@ class TestChapter21(ChapterChecks):
         "route_top_k": Check(ch21.check_route_top_k),
         "dispatch": Check(ch21.check_dispatch, wire=True),
         "combine": Check(ch21.check_combine, wire=True),
+        "balance_step": Check(ch21.check_balance_step),
     }
+    right = [
+        Right("balance_step", _balance_other_style,
+              "one-hot loads, masks for the update, choices in expert order"),
+    ]
     wrong = [
         Wrong("route_top_k", lambda lg, k, c: _route(lg, k, c, renorm=False),
               "gates not renormalized", says="renormalize"),
@@ -146,4 +195,29 @@ class TestChapter21(ChapterChecks):
               "token count from the rows", says="num_tokens rows"),
         Wrong("combine", lambda out, ids, gates, T: None, "returns None",
               says="must be a tensor"),
+        Wrong("balance_step", lambda *a: _balance(*a, choose="plain"), "choice without the bias",
+              says="the choice without the bias"),
+        Wrong("balance_step", lambda *a: _balance(*a, weigh="s+b"), "gates from s + b",
+              says="bias went into the gates"),
+        Wrong("balance_step", lambda *a: _balance(*a, affinity="softmax"), "softmax affinities",
+              says="experts differ|gates differ"),
+        Wrong("balance_step", lambda *a: _balance(*a, norm=False), "gates not normalised",
+              says="Normalise the chosen affinities"),
+        Wrong("balance_step", lambda *a: _balance(*a, update="flipped"), "update's sign flipped",
+              says="sign is flipped"),
+        Wrong("balance_step", lambda *a: _balance(*a, update="proportional"),
+              "update proportional to the imbalance", says="in proportion to the imbalance"),
+        Wrong("balance_step", lambda *a: _balance(*a, at_mean=False),
+              "an expert at the mean moved (two-way where)", says="exactly at the mean"),
+        Wrong("balance_step", lambda *a: _balance(*a, center=True),
+              "torchtitan's mean-subtracted update", says="torchtitan's variant"),
+        Wrong("balance_step", lambda *a: _balance(*a, in_place=True), "bias changed in place",
+              says="changed the bias it was given"),
+        Wrong("balance_step", lambda *a: _balance(*a, minlength=False),
+              "loads of the picked experts only", says="minlength"),
+        Wrong("balance_step", _course_balance, "calls route_with_bias + update_expert_bias",
+              says="switched off in this check"),
+        Wrong("balance_step", lambda lg, k, b, r: ch21._ref_balance(lg, k, b, r),
+              "returns the check's own reference", says="this check's reference"),
+        Wrong("balance_step", lambda *a: None, "returns None", says="must return"),
     ]

@@ -1,4 +1,5 @@
-"""Checks for chapter 21: top-k routing with capacity, the EP dispatch, the combine.
+"""Checks for chapter 21: top-k routing with capacity, the EP dispatch, the combine, and the
+bias that balances the experts without a loss.
 
 Learner contracts:
 
@@ -18,6 +19,11 @@ Learner contracts:
 * ``combine(expert_out, token_ids, gates, num_tokens) -> y``: expert_out
   (N, H) results of the kept choices, token_ids (N,) and gates (N,) of each;
   y (num_tokens, H) = sum over a token's choices of gate * output.
+* ``balance_step(logits, k, bias, rate) -> (gates, experts, new_bias)``: DeepSeek-V3's
+  routing without a balance loss: s = sigmoid(logits) in float32, the k experts of the
+  largest s + bias per token, gates s normalised over the k chosen (no bias), and
+  new_bias = bias + rate * sign(mean load - load) from the choices' loads, a new
+  tensor. Reference: ``helpers.moe.router.route_with_bias`` + ``update_expert_bias``.
 """
 
 from __future__ import annotations
@@ -249,3 +255,131 @@ def check_combine(combine) -> None:
                               f"output.{hint}")
     passed(f"combine right on {len(COMBINE_CASES)} cases (k = 1, 2, 3): gate-weighted sum per "
            f"token, dropped choices contribute nothing")
+
+
+# -- exercise 4: balance without a loss (DeepSeek-V3's bias) ----------------------------
+
+_BALANCERS = {"helpers.moe.router.route_with_bias": "", "helpers.moe.router.update_expert_bias": "",
+              "helpers.moe.router.expert_load": "",
+              "helpers.checks.ch21._ref_balance": "it is this check's reference"}
+
+
+def _ref_balance(logits, k, bias, rate):
+    from helpers.moe.router import route_with_bias, update_expert_bias
+    _, gates, experts = route_with_bias(logits, k, bias)
+    return gates, experts, update_expert_bias(bias, experts, rate)
+
+
+def _balance_cases() -> list[tuple[str, torch.Tensor, int, torch.Tensor, float]]:
+    """(what, logits, k, bias, rate): random routers whose bias changes choices, one with an
+    expert nobody picks, and one where two experts sit exactly at the mean load."""
+    cases = []
+    for T, E, k, seed in ((12, 4, 1, 0), (16, 6, 2, 1), (10, 8, 3, 2)):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(T, E, generator=g) + 0.8 * torch.arange(E)   # skewed to the last
+        bias = -0.6 * torch.rand(E, generator=g) * torch.arange(E) / E
+        cases.append((f"T={T}, E={E}, k={k}", logits, k, bias, 0.01))
+    # 4 tokens, 4 experts, k = 1: choices 0, 0, 1, 2 give loads 2, 1, 1, 0 around a mean of 1
+    logits = torch.tensor([[3.0, 0, 0, 0], [3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0]])
+    cases.append(("T=4, E=4, k=1, loads 2, 1, 1, 0 (mean 1)", logits, 1, torch.zeros(4), 0.001))
+    return cases
+
+
+def _by_expert(gates: torch.Tensor, experts: torch.Tensor):
+    """A token's k choices in expert order, so that any order of the top k compares."""
+    order = experts.argsort(dim=-1)
+    return gates.gather(-1, order), experts.gather(-1, order)
+
+
+def check_balance_step(balance_step) -> None:
+    """``balance_step(logits, k, bias, rate) -> (gates, experts, new_bias)`` against
+    ``helpers.moe.router.route_with_bias`` + ``update_expert_bias`` (DeepSeek-V3, sec.
+    2.1.2): choices by sigmoid(logits) + bias, gates from the sigmoid alone normalised over
+    the k chosen, each bias moved by rate towards the mean load.
+
+    Mistakes it is built to catch: the gates taken from s + b; the choice made without the
+    bias; softmax affinities; gates not normalised; the update's sign flipped; an update
+    proportional to the imbalance; an expert exactly at the mean moved (a two-way
+    ``where``); the mean subtracted from the update (torchtitan's variant, not the rule
+    asked for); ``bias`` changed in place; the course's own functions (or this check's
+    reference) called: switched off while it runs."""
+    for what, logits, k, bias, rate in _balance_cases():
+        want_g, want_e, want_b = _ref_balance(logits, k, bias, rate)
+        given = bias.clone()
+        try:
+            with refusing(exercise="balance_step", paths=_BALANCERS):
+                got = attempt(balance_step, logits.clone(), k, given, rate,
+                              what=f"balance_step ({what})")
+        except CheckFailed as exc:
+            if "must match the size of tensor" not in str(exc):
+                raise
+            raise CheckFailed(f"{exc}. Count a load for every expert, the unpicked ones too "
+                              f"(torch.bincount(..., minlength=E)), so that it lines up with "
+                              f"the bias") from None
+        if not (isinstance(got, tuple) and len(got) == 3):
+            raise CheckFailed("balance_step must return (gates, experts, new_bias)")
+        g, e, b = (_tensor(t, name) for t, name in zip(got, ("gates", "experts", "new_bias")))
+        if not torch.equal(given, bias):
+            raise CheckFailed(f"{what}: balance_step changed the bias it was given; return the "
+                              f"new bias as a new tensor (the caller keeps the old one)")
+        _check_choice(what, logits, k, bias, g, e, want_g, want_e)
+        _check_update(what, logits, k, bias, rate, e, b, want_b)
+    passed(f"balance step right on {len(_balance_cases())} routers (k = 1, 2, 3): chosen by "
+           f"sigmoid + bias, weighed by the sigmoid alone, each bias moved by rate towards "
+           f"the mean load, an expert at the mean left alone")
+
+
+def _check_choice(what, logits, k, bias, g, e, want_g, want_e) -> None:
+    T = logits.size(0)
+    if tuple(e.shape) != (T, k) or tuple(g.shape) != (T, k):
+        raise CheckFailed(f"{what}: gates and experts must be ({T}, {k}), got "
+                          f"{tuple(g.shape)} and {tuple(e.shape)}")
+    g, e = _by_expert(g.float(), e.long())
+    want_g, want_e = _by_expert(want_g, want_e)
+    if not torch.equal(e, want_e):
+        plain = torch.sigmoid(logits).topk(k, dim=-1).indices.sort(dim=-1).values
+        soft = (torch.softmax(logits, -1) + bias).topk(k, dim=-1).indices.sort(dim=-1).values
+        hint = (" That is the choice without the bias: pick the top k of s + b."
+                if torch.equal(e, plain) else
+                " That is the choice by softmax probabilities: the affinities are sigmoids."
+                if torch.equal(e, soft) else "")
+        raise CheckFailed(f"{what}: experts differ (expected the top k of sigmoid(logits) + "
+                          f"bias per token).{hint}")
+    # float32 sigmoid, a sum of at most 3 and a division: a few ulps of values <= 1
+    if (g - want_g).abs().max() > 1e-6:
+        s = torch.sigmoid(logits.float())
+        biased = (s + bias).gather(-1, want_e)
+        raw = s.gather(-1, want_e)
+        hint = (" The bias went into the gates: it decides which experts, never how much; "
+                "weigh by s alone." if (g - biased / biased.sum(-1, keepdim=True)).abs().max()
+                <= 1e-6 or (g - biased).abs().max() <= 1e-6 else
+                " Normalise the chosen affinities to sum to 1 per token (eq. 13)."
+                if (g - raw).abs().max() <= 1e-6 else "")
+        raise CheckFailed(f"{what}: gates differ (expected s / sum of the chosen s).{hint}")
+
+
+def _check_update(what, logits, k, bias, rate, e, b, want_b) -> None:
+    E = bias.numel()
+    if tuple(b.shape) != (E,):
+        raise CheckFailed(f"{what}: new_bias must have one value per expert, shape ({E},), "
+                          f"got {tuple(b.shape)}: count every expert's load, the unpicked "
+                          f"ones too (torch.bincount(..., minlength=E))")
+    # bias + rate x (-1, 0, 1) in float32: exact to an ulp of the bias
+    if (b.float() - want_b).abs().max() <= 1e-7:
+        return
+    load = torch.bincount(e.long().reshape(-1), minlength=E).float()
+    step = b.float() - bias
+    hint = ""
+    if torch.allclose(step, -(want_b - bias), atol=1e-7):
+        hint = " The sign is flipped: an overloaded expert's bias must drop, so it is chosen less."
+    elif torch.allclose(step, rate * (load.mean() - load), atol=1e-7):
+        hint = (" The bias moved in proportion to the imbalance: the rule moves it by rate "
+                "exactly, by the sign of mean load - load.")
+    elif torch.allclose(step, (want_b - bias) - (want_b - bias).mean(), atol=1e-7):
+        hint = (" The mean of the update was subtracted (torchtitan's variant); here the rule "
+                "is DeepSeek-V3's: bias + rate * sign(mean load - load).")
+    elif bool((load == load.mean()).any()) and torch.allclose(
+            step[load != load.mean()], (want_b - bias)[load != load.mean()], atol=1e-7):
+        hint = " An expert exactly at the mean load keeps its bias (sign(0) = 0)."
+    raise CheckFailed(f"{what}: new_bias differs (loads {load.long().tolist()}, expected "
+                      f"{[round(v, 4) for v in want_b.tolist()]}).{hint}")
