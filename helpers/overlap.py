@@ -245,9 +245,20 @@ def plot_timelines(timelines: list[list[dict]], ax=None, title: str = "",
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.9 + 0.9 * len(timelines)))
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextPath
+
     t0 = min(e["start"] for tl in timelines for e in tl)
     t1 = max(e["end"] for tl in timelines for e in tl)
-    min_width = 0.03 * (t1 - t0) * 1e3  # narrower bars would carry unreadable text
+    # a bar carries its label only where the text fits inside it: the axes' width over the
+    # span it will show (the data and matplotlib's margin on each side)
+    font = FontProperties(size="x-small")
+    shown_ms = max((t1 - t0) * 1e3, 1e-9) * (1 + 2 * plt.rcParams["axes.xmargin"])
+    points_per_ms = ax.get_window_extent().width * 72 / ax.figure.dpi / shown_ms
+
+    def fits(text: str, width_ms: float) -> bool:
+        return TextPath((0, 0), text, prop=font).get_extents().width + 2 <= \
+            width_ms * points_per_ms
     colors = {"compute": "tab:blue", "comm": "tab:orange", "wait": "tab:red"}
     lanes = ("compute", "comm", "wait")
     yticks, labels = [], []
@@ -260,9 +271,9 @@ def plot_timelines(timelines: list[list[dict]], ax=None, title: str = "",
                            edgecolor="white", linewidth=0.5)
             labelled_to = float("-inf")  # bars in flight together overlap: label the first
             for e, (x, w) in sorted(zip(events, spans), key=lambda ev: ev[1][0]):
-                if w >= min_width and x >= labelled_to:
+                if x >= labelled_to and fits(short_label(e["name"]), w):
                     ax.text(x + w / 2, y, short_label(e["name"]), ha="center", va="center",
-                            fontsize="x-small", color="white", clip_on=True)
+                            fontproperties=font, color="white", clip_on=True)
                     labelled_to = x + w
             yticks.append(y)
             labels.append(f"rank {r} {lane}")

@@ -184,3 +184,32 @@ def test_short_labels_name_each_span_once():
     assert short_label("all-reduce bucket 3") == "AR3"
     assert short_label("all-gather root") == "AG root"
     assert short_label("wait for buckets") == "wait"
+
+
+def test_timeline_labels_lie_inside_their_bars():
+    """A bar carries its short label only where the text fits inside it ("wait" on a short
+    wait ran over its bar's ends)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from helpers.overlap import plot_timelines
+
+    def ev(lane, name, start, end):
+        return {"lane": lane, "name": name, "start": start, "end": end}
+    timeline = [ev("compute", "backward blocks.1", 0.0, 0.30),
+                ev("comm", "all-reduce bucket 12", 0.04, 0.055),   # 15 ms of 380: too short
+                ev("comm", "all-reduce bucket 1", 0.10, 0.30),
+                ev("wait", "wait for buckets", 0.300, 0.306),      # 6 ms: "wait" does not fit
+                ev("wait", "wait for buckets", 0.31, 0.38)]
+    fig, ax = plt.subplots(figsize=(4, 2))   # a narrow panel: a 15 ms bar is ~9 points
+    plot_timelines([timeline], ax=ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bars = [c.get_transform().transform_path(path).get_extents()   # in display points
+            for c in ax.collections for path in c.get_paths()]
+    texts = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts]
+    assert sorted(t for t, _ in texts) == ["AR1", "B1", "wait"], texts
+    for text, box in texts:
+        assert any(b.x0 <= box.x0 and box.x1 <= b.x1 for b in bars), (text, box)
+    plt.close(fig)
