@@ -61,9 +61,11 @@ def test_shard_unshard_round_trip_and_qkv_parts():
     cols = [shard(w.T, 1, 4, r) for r in range(4)]
     assert torch.equal(unshard(cols, 1), w.T)
     # the refusal names the parts only where there are several (chapter 09's QKV)
-    with pytest.raises(ValueError, match=r"^dim 0 of size 10 does not divide over tensor-parallel size 4$"):
+    with pytest.raises(ValueError,
+                       match=r"^dim 0 of size 10 does not divide over tensor-parallel size 4$"):
         shard(torch.zeros(10, 4), 0, 4, 0)
-    with pytest.raises(ValueError, match="does not divide into 3 parts over tensor-parallel size 2"):
+    with pytest.raises(ValueError,
+                       match="does not divide into 3 parts over tensor-parallel size 2"):
         shard(torch.zeros(9, 4), 0, 2, 0, parts=3)
 
 
