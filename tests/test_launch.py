@@ -314,7 +314,7 @@ def test_in_a_kernel_import_helpers_starts_the_server_before_its_slow_imports():
         import helpers
         from helpers.launch import pool
         assert pool._POOL is not None, "import helpers started no server"
-        pool.shutdown()
+        pool.kill_pool()  # (now: a stop would wait for the server to finish importing)
         print(events[:2])
     """)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
