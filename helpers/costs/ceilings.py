@@ -7,20 +7,28 @@ would in a step:
 * the **compute roof**: the FLOP/s of the step's own three GEMMs per layer (forward,
   input gradient, weight gradient; ``step_gemms``) on m tokens, for each m in
   ``thin``: the fastest is the roof, the others are points below it on the memory
-  roofline (few tokens make thin GEMMs that wait on memory);
+  roofline (few tokens make thin GEMMs that wait on memory); and their rate on as many
+  tokens as the crossover needs (``crossover_gemm``: the rate a step meets there);
 * the **memory roof**: bytes/s of a tensor copy (read once, written once), large
   enough to leave the caches;
 * the **link roof**: the all-reduce's bus bandwidth, 2(n-1)/n of the tensor over
-  its seconds (``network.wire_factor``), of a ``comm_mb`` message;
+  its seconds (``network.wire_factor``), of a message as large as the sweep's
+  gradient (``comm_mb`` to choose another size) before the sweep, to centre it; the
+  roof is then the median of every all-reduce of that size the run timed, before, in
+  and after the sweep;
 * a **data-parallel sweep**: a stack of ``layers`` bias-free ``hidden`` x
   ``hidden`` linear layers, forward + backward on T tokens (6 P T FLOPs), then the
-  all-reduce of its P fp32 gradients, each timed for every T in ``tokens``.
+  all-reduce of its P fp32 gradients, each timed, for T from 2^-spread to 2^spread
+  times the crossover the first roofs predict.
 
 ``crossover`` finds where the sweep's compute time meets its all-reduce time, and
-``roofline.dp_tokens`` on the measured roofs predicts it. On a CPU the ranks share
-the cores that both compute and copy the all-reduce's bytes (gloo over loopback
-TCP), so each roof is the machine's, not a datasheet's; the claim under test is
-only that the crossover sits where the roofs put it.
+``roofline.dp_tokens`` on the measured roofs (``crossover_gemm``'s rate, ``link_bw``)
+predicts it. The copy's bandwidth is the
+DRAM's: a layer of the sweep (1 MB of fp32 weights) stays in the caches, which are
+faster, so the prediction uses the compute roof alone, measured on the step's own
+GEMMs. On a CPU the ranks share the cores that both compute and copy the all-reduce's
+bytes (gloo over loopback TCP), so each roof is the machine's, not a datasheet's; the
+claim under test is only that the crossover sits where the roofs put it.
 
 Timings go through ``helpers.clock`` (CUDA events on a GPU) and are the fastest of
 ``repeats`` after a warm-up; each rank returns its own, and the caller takes the slowest rank (a
@@ -30,17 +38,17 @@ collective is as fast as its slowest member).
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
 
 from helpers.clock import clock_for, elapsed
 from helpers.costs.network import wire_factor
-from helpers.costs.roofline import dp_tokens, gemm_flops, gemm_time
+from helpers.costs.roofline import dp_tokens, gemm_flops
 from helpers.launch import rank_info
 
-__all__ = ["roofline_probe", "step_gemms", "step_gemm_flops", "crossover", "slowest",
-           "predicted_compute", "predicted_crossover"]
+__all__ = ["roofline_probe", "step_gemms", "step_gemm_flops", "crossover", "slowest"]
 
 
 def _best_seconds(fn, repeats: int, clk) -> float:
@@ -98,8 +106,8 @@ def _slowest_roofs(gemm_flops: float, link_bw: float, dev) -> tuple[float, float
     return 1 / t[0].item(), 1 / t[1].item()
 
 
-def roofline_probe(hidden: int = 1024, layers: int = 2, thin: tuple = (4, 16, 64, 256),
-                   copy_mb: float = 64, comm_mb: float = 16, spread: int = 2,
+def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64, 256),
+                   copy_mb: float = 64, comm_mb: float | None = None, spread: int = 2,
                    repeats: int = 5) -> dict:
     """Rank function: the measured roofs, then the data-parallel sweep (module docstring)
     at 2^-spread ... 2^spread times the tokens the roofs predict for the crossover.
@@ -126,16 +134,33 @@ def roofline_probe(hidden: int = 1024, layers: int = 2, thin: tuple = (4, 16, 64
     out["memory_bw"] = 2 * src.numel() * 4 / t    # read + write
     del src, dst
 
-    buf = torch.ones(int(comm_mb * 2 ** 20) // 4, device=dev)
-    dist.barrier()
-    t = _best_seconds(lambda: dist.all_reduce(buf), repeats, clk)
-    out["link_bw"] = wire_factor("all_reduce", info.world_size) * buf.numel() * 4 / t
+    # the link roof, measured on a message of the gradient's size unless told otherwise:
+    # at a few MB gloo's per-call latency is a part of what the sweep's all-reduce pays
+    grad_numel = layers * hidden * hidden
+    buf = torch.ones(grad_numel if comm_mb is None else int(comm_mb * 2 ** 20) // 4,
+                     device=dev)
 
-    # the sweep, centred on the crossover the slowest rank's roofs predict
-    flops, link = _slowest_roofs(out["gemm_flops"], out["link_bw"], dev)
+    def link_roof() -> float:
+        # all-reduces of a few MB are cheap and the noisiest: three times the repeats
+        dist.barrier()
+        t = _best_seconds(lambda: dist.all_reduce(buf), 3 * repeats, clk)
+        return wire_factor("all_reduce", info.world_size) * buf.numel() * 4 / t
+
+    out["link_bw"] = link_roof()
+
+    # The compute roof a step meets at the crossover is the rate its GEMMs reach on that
+    # many tokens (fewer tokens, lower intensity: a point below the roof). So: the
+    # crossover on the best rate, then the GEMMs measured alone on that many tokens, and
+    # the sweep centred on the crossover the slowest rank's roofs then predict.
     grad_bytes = 4
+    flops, link = _slowest_roofs(out["gemm_flops"], out["link_bw"], dev)
+    m = max(1, round(dp_tokens(flops, link, info.world_size, grad_bytes)))
+    x = torch.randn(m, hidden, device=dev)
+    out["crossover_gemm"] = (m, step_gemm_flops(m, hidden)
+                             / _best_seconds(lambda: _step_gemms(x, w), repeats, clk))
+    flops, link = _slowest_roofs(out["crossover_gemm"][1], out["link_bw"], dev)
     predicted = dp_tokens(flops, link, info.world_size, grad_bytes)
-    out["predicted_from"] = (flops, link)
+    out["predicted_from"] = (flops, link)      # the roofs that centred the sweep
     weights = [torch.randn(hidden, hidden, device=dev) / hidden ** 0.5 for _ in range(layers)]
     flat = torch.zeros(layers * hidden * hidden, device=dev)   # the gradients, one buffer
     grads = list(flat.view(layers, hidden, hidden).unbind(0))
@@ -147,8 +172,16 @@ def roofline_probe(hidden: int = 1024, layers: int = 2, thin: tuple = (4, 16, 64
         dist.barrier()
         compute = _best_seconds(lambda: _data_parallel_step(weights, grads, x), repeats, clk)
         dist.barrier()
-        comm = _best_seconds(lambda: dist.all_reduce(flat), repeats, clk)
+        comm = _best_seconds(lambda: dist.all_reduce(flat), 3 * repeats, clk)
         out["sweep"].append((n, compute, comm))
+    # The same message is all-reduced at every T, so the sweep measures one number several
+    # times over: the roof is the median of all those measurements (each the fastest of
+    # its repeats), before, in and after the sweep, so that a burst of other work on the
+    # machine during one of them does not move the prediction.
+    sent = wire_factor("all_reduce", info.world_size) * flat.numel() * 4
+    if comm_mb is None:
+        out["link_bw"] = statistics.median([out["link_bw"], link_roof()]
+                                           + [sent / comm for _, _, comm in out["sweep"]])
     return out
 
 
@@ -158,6 +191,8 @@ def slowest(results: list[dict]) -> dict:
     first = dict(results[0])
     for key in ("gemm_flops", "memory_bw", "link_bw"):
         first[key] = min(r[key] for r in results)
+    first["crossover_gemm"] = (results[0]["crossover_gemm"][0],
+                               min(r["crossover_gemm"][1] for r in results))
     first["thin"] = [(m, min(r["thin"][i][1] for r in results))
                      for i, (m, _) in enumerate(results[0]["thin"])]
     first["sweep"] = [(n, max(r["sweep"][i][1] for r in results),
@@ -166,35 +201,14 @@ def slowest(results: list[dict]) -> dict:
     return first
 
 
-def predicted_compute(tokens: float, rec: dict) -> float:
-    """Seconds of the sweep's step on the measured roofs: each of its GEMMs per layer
-    (forward (T, h) @ (h, h), input gradient the same shape, weight gradient
-    (h, T) @ (T, h)) at the compute or the memory roof, whichever is slower."""
-    c, b = rec["gemm_flops"], rec["memory_bw"]
-    return rec["layers"] * sum(gemm_time(m, k, n, c, b, rec["grad_bytes"])
-                               for m, k, n in step_gemms(tokens, rec["hidden"]))
-
-
-def predicted_crossover(rec: dict) -> float:
-    """Tokens where ``predicted_compute`` meets the all-reduce's bytes at the link roof
-    (bisection on log tokens: the compute time only grows with the tokens)."""
-    comm = wire_factor("all_reduce", rec["world"]) * rec["params"] * rec["grad_bytes"] \
-        / rec["link_bw"]
-    lo, hi = 1e-3, 1e9
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if predicted_compute(mid, rec) < comm else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
 def crossover(sweep: list[tuple[float, float, float]]) -> float | None:
-    """Tokens where compute time meets all-reduce time: the first pair of neighbouring
-    points where compute - comm changes sign, interpolated on log-log axes (compute
-    grows as a power of the tokens there); None if it never changes sign."""
-    for (n0, c0, a0), (n1, c1, a1) in zip(sweep, sweep[1:]):
-        if c0 < a0 and c1 >= a1:
-            # log(c/a) is close to linear in log(n) between two neighbours
-            r0, r1 = math.log(c0 / a0), math.log(c1 / a1)
-            f = r0 / (r0 - r1)
+    """Tokens where the compute time meets the all-reduce's time. The all-reduce is the
+    same message at every T, so its time is one number: the median of the sweep's. The
+    compute is interpolated on log-log axes (it grows as a power of the tokens) between
+    the first two neighbours on either side; None if it never crosses."""
+    comm = statistics.median(a for _, _, a in sweep)
+    for (n0, c0, _), (n1, c1, _) in zip(sweep, sweep[1:]):
+        if c0 < comm <= c1:
+            f = math.log(comm / c0) / math.log(c1 / c0)
             return math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0)))
     return None
