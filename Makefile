@@ -151,8 +151,12 @@ labs: setup
 notebooks: setup
 	$(BIN)/python tools/nbtool.py run
 
+# Each benchmark's seconds and the total are printed: the whole set is meant to end within
+# 10 minutes on a 2-core laptop (CPU-sized problems without a GPU: benchmarks/_args.py).
 bench: setup
-	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@all=$$(date +%s); for b in benchmarks/bench_*.py; do echo "== $$b"; t=$$(date +%s); \
+	  $(BIN)/python $$b || exit 1; echo "== $$b: $$(( $$(date +%s) - t )) s"; done; \
+	  echo "== make bench: $$(( $$(date +%s) - all )) s"
 
 # The site group installs into the course's .venv, pinned like the rest (constraints.txt),
 # once: a stamp records it, so a later make site only builds (pip again when
