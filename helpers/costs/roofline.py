@@ -24,8 +24,10 @@ each collective; the counts of ``axes``: how many collectives per layer or step)
 and the FLOPs of ``compute`` (6 per weight per token: a forward and a backward of
 twice its cost), for one GPU of peak ``C`` whose axis runs at ``W`` bytes/s each way:
 
-    DP   tokens per GPU per step  T > C/W x 2(n-1)/n x b_grad / 6
-         (the gradients' all-reduce, once a step, against 6 P T FLOPs)
+    DP   tokens per DP rank per step  T > C/W x 2(n-1)/n x b_grad / 6
+         (the gradients' all-reduce, once a step, against 6 P T FLOPs; with TP or
+         PP inside the rank both sides shrink by tp x pp, so T counts the tokens
+         of one model replica)
     ZeRO stages 1-2: the same bytes (reduce-scatter + all-gather = all-reduce);
          stage 3 (FSDP): 2 all-gathers + 1 reduce-scatter per micro-batch, so per
          micro-batch T > C/W x 3(n-1)/n x b / 6
@@ -34,7 +36,8 @@ twice its cost), for one GPU of peak ``C`` whose axis runs at ``W`` bytes/s each
          / h^2, 12 for a GPT): independent of the batch
     CP   sequence per GPU s/c > C/W x b x (kv heads / heads) / 2, twice that
          causal (ring attention: a block of K and V, 2 (s/c) h_kv b bytes, per
-         block of 4 (s/c)^2 h FLOPs; the backward doubles both)
+         block of 4 (s/c)^2 h FLOPs; the backward doubles both; Liu, Zaharia &
+         Abbeel 2023, sec. 3, size the blocks by the same condition)
     PP   compute / comm = 3 a h L_stage / b x W / C per micro-batch (an activation
          forward and a gradient back, 2 b h bytes a token, against 6 a h^2 L_stage
          FLOPs): with h in thousands it is compute-bound by a wide margin
