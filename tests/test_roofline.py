@@ -216,3 +216,18 @@ def test_probe_on_two_ranks_and_its_picture():
         assert label == f"T={n}" and intensity == pytest.approx(6 * n / 4)
         assert rate == pytest.approx(6 * rec["params"] * n / max(compute, comm))
     assert step_gemm_flops(16, 64) == 6 * 16 * 64 * 64
+
+
+def test_gpu_scale_table_has_ep_rows_for_an_moe_model():
+    rows = rl.family_thresholds(MOE, rl.H100_SXM, tokens_per_gpu=4096, degree=8)
+    ep = {r.wire: r for r in rows if r.family == "EP"}
+    assert set(ep) == {"NVLink", "network"}
+    assert ep["NVLink"].critical == pytest.approx(rl.ep_ffn(rl.H100_SXM.flops,
+                                                            rl.H100_SXM.nvlink, 8))
+    assert ep["network"].value == MOE.ffn_hidden == 512
+    # a measured compute roof lowers every threshold in proportion
+    slow = rl.family_thresholds(MOE, rl.H100_SXM, tokens_per_gpu=4096, degree=8,
+                                flops=rl.H100_SXM.flops / 2)
+    for a, b in zip(rows, slow):
+        if a.family != "PP":
+            assert b.critical == pytest.approx(a.critical / 2)
