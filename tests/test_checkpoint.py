@@ -671,20 +671,34 @@ def test_the_checksum_is_of_the_bytes_on_disk(tmp_path):
     assert torch.equal(got["s"].data, torch.ones(5)) and got["s"].offset == 5
 
 
-def _one_rank_cannot_write(directory):
+def _one_rank_cannot_write(directory, error):
     from helpers.checkpoint.store import write
 
     if rank_info().rank == 1:
-        def full_disk(path, tree):
-            raise OSError(28, "No space left on device")
-        write.write_tree = full_disk
+        def failing(path, tree):
+            raise error
+        write.write_tree = failing
     save(directory, {"w": torch.ones(4)}, 3)
 
 
-def test_a_rank_that_cannot_write_its_file_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("error, said", [
+    (OSError(28, "No space left on device"), r"\[Errno 28\] No space left on device"),
+    (RuntimeError("file write failed"), "RuntimeError: file write failed")])
+def test_a_rank_that_cannot_write_its_file_stops_every_rank(tmp_path, error, said):
     # every rank raises at once, naming rank 1; none waits in the next collective
     # until the timeout (a RankTimeout would fail the match)
     with pytest.raises(RankError, match=r"writing the files\) failed on rank 1: writing "
-                                        r".*rank1\.pt: \[Errno 28\] No space left"):
-        launch(_one_rank_cannot_write, 2, str(tmp_path), timeout=30)
+                                        r".*rank1\.pt: " + said):
+        launch(_one_rank_cannot_write, 2, str(tmp_path), error, timeout=30)
     assert os.listdir(tmp_path) == ["step00000003.partial"]  # never committed
+
+
+def test_a_failed_checksum_is_raised_not_lost(tmp_path, monkeypatch):
+    # the hash runs in a thread beside fsync: its error must reach the caller
+    from helpers.checkpoint.store import format as fmt
+
+    def broken(data):
+        raise MemoryError("no room to hash")
+    monkeypatch.setattr(fmt.hashlib, "sha256", broken)
+    with pytest.raises(MemoryError, match="no room to hash"):
+        fmt.write_tree(str(tmp_path / "rank0.pt"), {"w": torch.ones(3)})

@@ -178,11 +178,20 @@ def write_tree(path: str, encoded: Any) -> tuple[int, str]:
         f.flush()                 # Python's buffer -> the OS
         size = f.tell()
         with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as view:
-            digest: list[str] = []
-            hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(view).hexdigest()))
+            found: dict[str, Any] = {}
+
+            def digest() -> None:
+                try:
+                    found["sha256"] = hashlib.sha256(view).hexdigest()
+                except BaseException as exc:  # noqa: BLE001 - raised below, in the caller
+                    found["error"] = exc
+
+            hasher = threading.Thread(target=digest, name="checkpoint-sha256")
             hasher.start()
             try:
                 os.fsync(f.fileno())  # the OS's page cache -> the disk
             finally:
                 hasher.join()
-    return size, digest[0]
+    if "error" in found:
+        raise found["error"]
+    return size, found["sha256"]

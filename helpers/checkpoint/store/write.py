@@ -92,8 +92,9 @@ def write_checkpoint(directory: str, step: int, tree: Any, layout: dict, group=N
     try:
         size, digest = write_tree(path, tree)
         meta = {"file": name, "bytes": size, "sha256": digest, **layout}
-    except OSError as exc:  # a full disk, say: every rank must hear of it, not wait
-        meta = {"error": f"writing {path}: {exc}"}
+    except Exception as exc:  # a full disk (OSError), say: every rank must hear of it, not wait
+        detail = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        meta = {"error": f"writing {path}: {detail}"}
     if on_written is not None and "error" not in meta:
         on_written(path)  # the chapter kills a rank here to show a crash mid-save
     metas = gather_all(meta, group)
