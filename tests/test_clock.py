@@ -65,6 +65,12 @@ ALLOWED = {
         "CPU seconds of the host thread (cpu_share), a host quantity by definition",
     ("helpers/pipeline/executor.py", "done", "thread_time"): "the same CPU seconds, read at the end",
     ("benchmarks/bench_launch.py", "main", "perf_counter"): "start-up time of the launcher's processes",
+    ("benchmarks/bench_launch.py", "first_launch", "perf_counter"):
+        "a fresh rank server's first launch, wall time of process start-up",
+    ("benchmarks/bench_first_check.py", "run_cell", "perf_counter"):
+        "a fresh kernel's first check cell, wall time as the learner waits for it",
+    ("helpers/launch/stacks.py", "where", "monotonic"):
+        "deadline for the hung ranks' stack dumps (files), after the launch timed out",
     ("benchmarks/bench_planner.py", "_cold_plan", "perf_counter"): "the planner's host search time",
     ("benchmarks/bench_checkpoint.py", "timed", "perf_counter"):
         "checkpoint save/load wall time (files; barriers around it)",

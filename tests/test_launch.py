@@ -632,6 +632,10 @@ def test_torchrun_processes_agree_on_the_backend(monkeypatch, local_rank):
 
 def test_every_launch_gets_a_fresh_group():
     def leave_a_mess():
+        # both ranks connected first: a rank that tears its group down while its peer
+        # is still inside init_process_group's connect closes the socket under it
+        # ("Connection closed by peer" on the peer), a race that is not this test's
+        dist.barrier()
         dist.new_group([0])            # a subgroup, left behind
         dist.destroy_process_group()   # and no default group at all
 
