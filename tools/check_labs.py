@@ -415,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds per cell (an exercise's definition, its check, any other cell)")
     parser.add_argument("--only", help="regex on notebook names, e.g. '^0[1-3]'")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="notebooks checked at a time (a 16-core node: about cores / 4, "
-                             "each notebook's ranks need cores of their own)")
+                        help="notebooks checked at a time: 2 to 4 cores a job (a lab launches "
+                             "up to 4 ranks, but is one busy process most of the time); "
+                             "JOBS=2 on 2 cores, about 8 on a 16-core node")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder: name one with DIR=... "
