@@ -196,6 +196,103 @@ def _calls_the_course(family, gpu, wire, degree, global_tokens, hidden):
     return thr, "compute-bound" if global_tokens / degree >= thr else "communication-bound"
 
 
+# Exercise 4: cp_verdict, ep_verdict, pp_verdict
+
+def _bw(gpu, wire):
+    return gpu.nvlink if wire == "nvlink" else gpu.network
+
+
+def _bound(value, critical, geq=True):
+    above = value >= critical if geq else value > critical
+    return "compute-bound" if above else "communication-bound"
+
+
+def _cp(causal_x=2, always_causal=False, kv=True, bw=1, sent=1, ring=False, whole=False,
+        per_gpu=True, geq=True):
+    """A cp_verdict with the solution's shape and one knob turned (sent: a factor on the
+    bytes a block sends)."""
+    def verdict(gpu, wire, degree, seq, heads, kv_heads, causal):
+        share = kv_heads / heads if kv else 1
+        # a block of s_c tokens: 4 s_c^2 h FLOPs against K and V, 2 s_c h share b bytes
+        thr = gpu.flops / (bw * _bw(gpu, wire)) * sent * 2 * 2 * share / 4
+        thr *= causal_x if causal or always_causal else 1
+        thr *= (degree - 1) / degree if ring else 1
+        have = seq / degree if per_gpu else seq
+        if whole:
+            thr, have = thr * degree, seq
+        return thr, _bound(have, thr, geq)
+    return verdict
+
+
+def _cp_by_times(gpu, wire, degree, seq, heads, kv_heads, causal):
+    """Right, another way: a trial block's compute and transfer times, forward and
+    backward, then the block where they meet (compute grows as its square, bytes as it)."""
+    n, h = 1000.0, 128.0 * heads
+    compute = 3 * 4 * n * n * h * (0.5 if causal else 1) / gpu.flops
+    comm = 3 * 2 * n * h * kv_heads / heads * 2 / _bw(gpu, wire)
+    thr = n * comm / compute
+    return thr, _bound(seq / degree, thr)
+
+
+def _ep(passes=4, ring=True, top_k_bytes=False, m=None, six=6, b=2, geq=True):
+    """An ep_verdict with the solution's shape and one knob turned."""
+    def verdict(gpu, wire, degree, ffn, gated, top_k):
+        mats = m or (3 if gated else 2)
+        share = (degree - 1) / degree if ring else 1
+        thr = gpu.flops / _bw(gpu, wire) * passes * share * b / (six * mats)
+        thr *= top_k if top_k_bytes else 1
+        return thr, _bound(ffn, thr, geq)
+    return verdict
+
+
+def _ep_by_bytes(gpu, wire, degree, ffn, gated, top_k):
+    """Right, another way: the library's bytes of each of the 4 all-to-alls of a token's
+    top_k copies, summed, against their experts' FLOPs at a trial width."""
+    from helpers.costs.network import sent_bytes
+    h, f = 4096.0, 1000.0
+    sent = sum(sent_bytes("all_to_all", top_k * h * 2, degree) for _ in range(4))
+    compute = top_k * 6 * (3 if gated else 2) * h * f / gpu.flops
+    thr = f * (sent / _bw(gpu, wire)) / compute
+    return thr, _bound(ffn, thr)
+
+
+def _pp(messages=2, six=6, a=12, bw=1, per_layer=False, tokens_once=False, invert=False,
+        geq=True):
+    """A pp_verdict with the solution's shape and one knob turned."""
+    def verdict(gpu, wire, hidden, layers_per_stage, micro_batch_tokens):
+        h, n, t = hidden, layers_per_stage, micro_batch_tokens
+        compute = six * a * h * h * n * t / gpu.flops
+        comm = messages * 2 * h * (1 if tokens_once else t) * (n if per_layer else 1) \
+            / (bw * _bw(gpu, wire))
+        ratio = comm / compute if invert else compute / comm
+        return ratio, _bound(ratio, 1, geq)
+    return verdict
+
+
+def _pp_closed(gpu, wire, hidden, layers_per_stage, micro_batch_tokens):
+    """Right, another way: the closed form 6 a h^2 L / (2 b h) x W / C, a = 12, b = 2."""
+    ratio = 3 * 12 * hidden * layers_per_stage / 2 * _bw(gpu, wire) / gpu.flops
+    return ratio, _bound(ratio, 1)
+
+
+def _cp_course(gpu, wire, degree, seq, heads, kv_heads, causal):
+    from helpers.costs import roofline
+    thr = roofline.cp_tokens(gpu.flops, _bw(gpu, wire), kv_heads / heads, causal=causal)
+    return thr, _bound(seq / degree, thr)
+
+
+def _ep_course(gpu, wire, degree, ffn, gated, top_k):
+    from helpers.costs import roofline
+    thr = roofline.ep_ffn(gpu.flops, _bw(gpu, wire), degree, gated)
+    return thr, _bound(ffn, thr)
+
+
+def _pp_course(gpu, wire, hidden, layers_per_stage, micro_batch_tokens):
+    from helpers.costs import roofline
+    ratio = roofline.pp_ratio(gpu.flops, _bw(gpu, wire), hidden, layers_per_stage)
+    return ratio, _bound(ratio, 1)
+
+
 class TestChapter01(ChapterChecks):
     lab = "labs/01_why_distributed_lab.ipynb"
     sol = "solutions/01_why_distributed_solution.ipynb"
@@ -204,6 +301,9 @@ class TestChapter01(ChapterChecks):
         "gpus_needed": Check(ch01.check_gpus_needed),
         "classify_bottleneck": Check(ch01.check_classify_bottleneck),
         "roofline_verdict": Check(ch01.check_roofline_verdict),
+        "cp_verdict": Check(ch01.check_cp_verdict),
+        "ep_verdict": Check(ch01.check_ep_verdict),
+        "pp_verdict": Check(ch01.check_pp_verdict),
     }
     wrong = [
         Wrong("bytes_per_param", _no_master, "forgets the fp32 master copy", says="master copy"),
@@ -277,12 +377,70 @@ class TestChapter01(ChapterChecks):
               "a misspelled verdict", says="exactly one of"),
         Wrong("roofline_verdict", _calls_the_course, "the course's own dp_tokens",
               says="switched off"),
+        Wrong("cp_verdict", _cp(causal_x=1), "the causal factor left out", says="skips half"),
+        Wrong("cp_verdict", _cp(causal_x=0.5), "causal halving the threshold",
+              says="not halves it"),
+        Wrong("cp_verdict", _cp(always_causal=True), "x2 on a layout that is not causal",
+              says="not causal"),
+        Wrong("cp_verdict", _cp(kv=False), "the kv-heads share left out",
+              says="[Oo]nly the kv heads travel"),
+        Wrong("cp_verdict", _cp(bw=2), "both directions of the link",
+              says="one direction of the link"),
+        Wrong("cp_verdict", _cp(sent=2), "each block sent both ways round the ring",
+              says="passes each K/V block one way"),
+        Wrong("cp_verdict", _cp(sent=0.5), "K without V", says="K and V both travel"),
+        Wrong("cp_verdict", _cp(ring=True), "a collective's (c-1)/c", says=r"no \(c-1\)/c"),
+        Wrong("cp_verdict", _cp(sent=3), "the forward's FLOPs against all the bytes",
+              says="backward doubles both"),
+        Wrong("cp_verdict", _cp(whole=True), "the threshold on the whole sequence",
+              says="one GPU holds, s / c"),
+        Wrong("cp_verdict", _cp(per_gpu=False), "the verdict on the whole sequence",
+              says="not the whole sequence"),
+        Wrong("cp_verdict", lambda *a: _cp()(*a)[1], "the verdict alone", says="return a pair"),
+        Wrong("cp_verdict", _cp_course, "the course's own cp_tokens", says="switched off"),
+        Wrong("ep_verdict", _ep(ring=False), "(e-1)/e left out", says=r"\(e-1\)/e is missing"),
+        Wrong("ep_verdict", _ep(passes=2), "2 all-to-alls, not 4", says="dispatch and combine"),
+        Wrong("ep_verdict", _ep(top_k_bytes=True), "top_k counted on the bytes",
+              says="Leave top_k out"),
+        Wrong("ep_verdict", _ep(m=2), "a gated MLP as 2 matrices", says="3 matrices"),
+        Wrong("ep_verdict", _ep(m=3), "a plain MLP as 3 matrices", says="2 matrices"),
+        Wrong("ep_verdict", _ep(six=2), "the forward's FLOPs only", says="backward's 4 m h f"),
+        Wrong("ep_verdict", _ep(b=6, six=2), "bytes and FLOPs swapped",
+              says="[Bb]ytes and FLOPs swapped"),
+        Wrong("ep_verdict", _ep_course, "the course's own ep_ffn", says="switched off"),
+        Wrong("ep_verdict", lambda *a: (_ep()(*a)[0], "compute-bound"), "always compute-bound",
+              says="expected .communication-bound.: the expert width"),
+        Wrong("pp_verdict", _pp(messages=1), "both directions counted as one message",
+              says="you counted one"),
+        Wrong("pp_verdict", _pp(messages=4), "the received messages counted too",
+              says="what the GPU sends"),
+        Wrong("pp_verdict", _pp(bw=2), "both directions of the link",
+              says="one direction of the link"),
+        Wrong("pp_verdict", _pp(six=2), "the forward's FLOPs only", says="backward's 4 FLOPs"),
+        Wrong("pp_verdict", _pp(a=1), "h^2 FLOPs, not 12 h^2", says=r"12 h\^2 weights"),
+        Wrong("pp_verdict", _pp(per_layer=True), "a message per layer",
+              says="once per micro-batch"),
+        Wrong("pp_verdict", _pp(tokens_once=True), "the tokens on the compute side only",
+              says="tokens cancel"),
+        Wrong("pp_verdict", _pp(invert=True), "comm / compute", says="not comm / compute"),
+        Wrong("pp_verdict", _pp_course, "the course's own pp_ratio", says="switched off"),
+        Wrong("pp_verdict", lambda *a: (_pp()(*a)[0], "compute-bound"), "always compute-bound",
+              says="expected .communication-bound.: compute / comm is"),
     ]
     right = [
         Right("roofline_verdict", _roofline(), "the closed forms"),
         Right("roofline_verdict", _by_crossing, "the two times at a trial value, scaled"),
         Right("roofline_verdict", _roofline(geq=False), "> instead of >= (no case sits on the "
               "threshold)"),
+        Right("cp_verdict", _cp(), "the closed form"),
+        Right("cp_verdict", _cp_by_times, "a trial block's two times, scaled"),
+        Right("cp_verdict", _cp(geq=False), "> instead of >= (no case sits on the threshold)"),
+        Right("ep_verdict", _ep(), "the closed form"),
+        Right("ep_verdict", _ep_by_bytes, "the library's bytes of the 4 all-to-alls, summed"),
+        Right("ep_verdict", _ep(geq=False), "> instead of >= (degree 1: threshold 0, width > 0)"),
+        Right("pp_verdict", _pp_closed, "the closed form"),
+        Right("pp_verdict", _pp(), "the two times of a micro-batch"),
+        Right("pp_verdict", _pp(geq=False), "> instead of >= (no case sits at 1)"),
         Right("classify_bottleneck", classify_bottleneck, "the library's classifier"),
         Right("classify_bottleneck", _wait_in_comm, "the wait read from the comm spread"),
         Right("classify_bottleneck", _in_order("memory", "straggler", "compute", "all-reduce",
@@ -306,3 +464,20 @@ def test_every_other_order_of_the_rules_fails():
         except CheckFailed:
             passed = False
         assert passed == right, order
+
+
+def test_each_familys_layouts_sit_on_both_sides_of_its_threshold():
+    """An answer to exercise 4 that always says one verdict must fail: each family's
+    layouts hold both verdicts. None sits on its threshold, so ``>`` for ``>=`` passes
+    (the ``Right`` rows with ``geq=False`` rely on that)."""
+    from helpers.checks import rooflines
+
+    # (layouts, reference, (the layout's value, the threshold) from a case and its number)
+    families = [(rooflines.CP_CASES, rooflines.cp_answer, lambda c, x: (c[3] / c[2], x)),
+                (rooflines.EP_CASES, rooflines.ep_answer, lambda c, x: (c[3], x)),
+                (rooflines.PP_CASES, rooflines.pp_answer, lambda c, x: (x, 1.0))]  # PP: vs 1
+    for cases, answer, sides in families:
+        assert {answer(*c)[1] for c in cases} == {"compute-bound", "communication-bound"}
+        for case in cases:
+            have, critical = sides(case, answer(*case)[0])
+            assert have != critical, case

@@ -1,13 +1,17 @@
-"""Checks for chapter 01: the bytes of training state, naming a bottleneck, and rooflines."""
+"""Checks for chapter 01: the bytes of training state, naming a bottleneck, and rooflines
+(the roofline exercises' checks live in ``helpers.checks.rooflines``)."""
 
 from __future__ import annotations
 
 import math
 
 from helpers.checks import CheckFailed, attempt, passed
-from helpers.checks.course_answers import refusing
-from helpers.costs.roofline import H100_SXM, Ceilings, dp_tokens, tp_hidden, zero_tokens
+from helpers.checks.rooflines import (check_cp_verdict, check_ep_verdict, check_pp_verdict,
+                                      check_roofline_verdict)
 from helpers.steptime import StepProfile
+
+__all__ = ["check_bytes_per_param", "check_gpus_needed", "check_classify_bottleneck",
+           "check_roofline_verdict", "check_cp_verdict", "check_ep_verdict", "check_pp_verdict"]
 
 # Bytes per parameter: weights + gradients + optimizer state.
 # fp32: 4 + 4 + (Adam: m and v, 4 + 4 | momentum: 4 | plain SGD: 0)
@@ -196,129 +200,3 @@ def check_classify_bottleneck(classify_bottleneck) -> None:
                               f"expected {want!r}" + (f". {why[0].upper()}{why[1:]}"
                                                       if why else ""))
     passed(f"all {len(PROFILES)} profiles named correctly")
-
-
-# ---------------------------------------------------------------------------
-# Rooflines: each parallelism's threshold and the verdict it gives
-# ---------------------------------------------------------------------------
-
-# A made-up GPU beside the H100, so that an answer fitted to the H100's numbers fails.
-_GPU_X = Ceilings("GPU-X", 400e12, 2e12, 200e9, 25e9)
-# (family, gpu, wire, degree, global tokens, hidden). Global tokens: the whole batch of
-# one step (dp) or of one micro-batch (fsdp) over all ``degree`` ranks; hidden: tp's width.
-# GPU-X comes first: on an H100 NVLink / NIC is 9, the ratio of two other slips.
-ROOFLINE_CASES = [
-    ("dp", _GPU_X, "nvlink", 3, 3 * 1000, 1024),       # odd degree: 1,000 > 889
-    ("dp", _GPU_X, "network", 3, 3 * 12000, 1024),     # 12,000 > 7,111
-    ("dp", H100_SXM, "nvlink", 8, 8 * 4096, 8192),     # 4,096 a rank > 1,282: compute
-    ("dp", H100_SXM, "network", 8, 8 * 4096, 8192),    # 4,096 < 11,538: communication
-    ("fsdp", H100_SXM, "nvlink", 8, 8 * 1600, 8192),   # above DP's 1,282, below FSDP's 1,923
-    ("fsdp", _GPU_X, "network", 2, 2 * 10000, 1024),   # 10,000 > 8,000
-    ("tp", H100_SXM, "nvlink", 8, 8 * 4096, 4096),     # 4,096 > 3,419
-    ("tp", H100_SXM, "network", 8, 8 * 4096, 8192),    # 8,192 < 30,769: TP stays in the node
-    ("tp", _GPU_X, "nvlink", 2, 2 * 4096, 400),        # 400 < 444
-    ("dp", _GPU_X, "network", 1, 100, 1024),           # one rank sends nothing: threshold 0
-    ("tp", _GPU_X, "network", 1, 100, 1024),
-]
-
-
-def roofline_answer(family: str, gpu: Ceilings, wire: str, degree: int, global_tokens: float,
-                    hidden: int) -> tuple[float, str]:
-    """What ``roofline_verdict`` must return: (threshold, verdict), bf16 on the wire."""
-    w = {"nvlink": gpu.nvlink, "network": gpu.network}[wire]
-    if family == "dp":
-        thr, have = dp_tokens(gpu.flops, w, degree), global_tokens / degree
-    elif family == "fsdp":
-        thr, have = zero_tokens(gpu.flops, w, degree, 3), global_tokens / degree
-    else:
-        thr, have = tp_hidden(gpu.flops, w, degree), hidden
-    return thr, "compute-bound" if have >= thr else "communication-bound"
-
-
-def _threshold_slip(case, got: float, want: float) -> str:
-    """The usual mistake behind a wrong threshold, named from the ratio got / want."""
-    family, gpu, wire, degree = case[:4]
-    if want == 0:
-        return ("with one rank there is nothing to send: the threshold is 0 (the ring's "
-                "2(n-1)/n or (n-1)/n is 0 at n = 1)")
-    r = got / want
-    other = gpu.network if wire == "nvlink" else gpu.nvlink
-    mine = gpu.nvlink if wire == "nvlink" else gpu.network
-
-    def near(x: float) -> bool:
-        return math.isclose(r, x, rel_tol=1e-6)
-    slips = []   # every mistake this ratio fits (on the H100 NVLink / NIC is also 9)
-    if near(mine / other):
-        slips.append(f"that is the threshold on the other wire: {wire!r} means the "
-                     f"{'NVLink' if wire == 'nvlink' else 'network NIC'} bandwidth "
-                     f"({mine / 1e9:g} GB/s here), not {other / 1e9:g} GB/s")
-    if near(0.5):
-        slips.append("half the expected: a ring sends one way, so W is one direction of the "
-                     "link (NVLink's '900 GB/s' counts both), and an all-reduce is two passes "
-                     "of the ring (reduce-scatter + all-gather), 2(n-1)/n of the tensor, "
-                     "not (n-1)/n")
-    if near(degree / (degree - 1)):
-        slips.append("the ring's (n-1)/n is missing: each rank sends all but its own share")
-    if near(9) or near(1 / 9):
-        slips.append("bytes and FLOPs swapped: the compute side is 6 FLOPs per weight per "
-                     "token, the communication side 2 bytes per bf16 value")
-    if family == "fsdp" and near(2 / 3):
-        slips.append("FSDP (ZeRO-3) sends three collectives per micro-batch: the weights "
-                     "all-gathered for the forward, again for the backward, and the gradients "
-                     "reduce-scattered, (n-1)/n each: 1.5 times DP's all-reduce")
-    if family == "tp" and (near(degree) or near(1 / degree)):
-        slips.append("each of the t GPUs does 1/t of the layer's 6 x 12 h^2 FLOPs per token, "
-                     "while every all-reduce carries the whole token's h values")
-    if r < 1e-3:
-        slips.append("C / W is FLOPs per byte: peak FLOP/s over bytes/s, not the other way "
-                     "round")
-    return "; or ".join(slips)
-
-
-def check_roofline_verdict(roofline_verdict) -> None:
-    """``roofline_verdict(family, gpu, wire, degree, global_tokens, hidden) -> (threshold,
-    verdict)`` for family "dp", "fsdp" or "tp", bf16 on the wire.
-
-    Catches, each named:
-    * both directions of the link, or an all-reduce as one pass of the ring: half;
-    * the ring's (n-1)/n left out: the odd degree (3) and degree 1;
-    * bytes and FLOPs swapped (2 / 6 for 6 / 2): 9 times off;
-    * FSDP priced as DP (two collectives, or the all-reduce): 2/3;
-    * TP's FLOPs not divided over the t GPUs, or divided twice;
-    * the other wire's bandwidth (NVLink where the network is asked, or back);
-    * W / C for C / W;
-    * the verdict on the global batch instead of the tokens a rank holds (DP, FSDP);
-    * a verdict on the other side of the threshold, or a misspelled one; the course's
-      own ``helpers.costs.roofline`` functions: refused.
-    """
-    refuse = {f"helpers.costs.roofline.{f}": "" for f in ("dp_tokens", "zero_tokens",
-                                                           "tp_hidden", "family_thresholds")}
-    labels = ("compute-bound", "communication-bound")
-    for case in ROOFLINE_CASES:
-        family, gpu, wire, degree, tokens, hidden = case
-        call = (f"roofline_verdict({family!r}, {gpu.name}, {wire!r}, degree={degree}, "
-                f"global_tokens={tokens}, hidden={hidden})")
-        with refusing(refuse, "roofline_verdict"):
-            got = attempt(roofline_verdict, *case, what=call)
-        want_thr, want = roofline_answer(*case)
-        if not (isinstance(got, tuple) and len(got) == 2):
-            raise CheckFailed(f"{call} returned {got!r}; return a pair (threshold, verdict)")
-        thr, verdict = got
-        if not isinstance(thr, (int, float)) or not math.isclose(thr, want_thr, rel_tol=1e-6,
-                                                                 abs_tol=1e-9):
-            slip = _threshold_slip(case, thr, want_thr) if isinstance(thr, (int, float)) else ""
-            raise CheckFailed(f"{call}: threshold {thr!r}, expected {want_thr:,.1f}"
-                              + (f". {slip[0].upper()}{slip[1:]}" if slip else ""))
-        if verdict not in labels:
-            raise CheckFailed(f"{call}: verdict {verdict!r}; return exactly one of "
-                              f"{', '.join(map(repr, labels))}")
-        if verdict != want:
-            have = hidden if family == "tp" else tokens / degree
-            why = (f"compare the tokens one rank holds, {tokens:,} / {degree} = {have:,.0f}, "
-                   f"not the global batch, with the threshold"
-                   if family != "tp" and (tokens >= want_thr) != (have >= want_thr) else
-                   f"the layout's {'hidden width' if family == 'tp' else 'tokens per rank'} "
-                   f"is {have:,.0f} against a threshold of {want_thr:,.0f}")
-            raise CheckFailed(f"{call}: you said {verdict!r}, expected {want!r}: {why}")
-    passed(f"thresholds and verdicts right in all {len(ROOFLINE_CASES)} layouts (DP, FSDP, "
-           f"TP; NVLink and network; degrees 1, 2, 3, 8)")
