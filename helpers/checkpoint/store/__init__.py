@@ -23,9 +23,9 @@ Everything is re-exported here: ``from helpers.checkpoint.store import save`` wo
 """
 
 from helpers.checkpoint.store.format import (FORMAT, Shard, checkpoint_dir, encode,
-                                             list_checkpoints, serialize)
+                                             list_checkpoints)
 from helpers.checkpoint.store.load import CheckpointMismatch, Loaded, load_latest
 from helpers.checkpoint.store.write import save, write_checkpoint
 
 __all__ = ["Shard", "Loaded", "save", "load_latest", "list_checkpoints", "checkpoint_dir",
-           "CheckpointMismatch", "encode", "serialize", "write_checkpoint"]
+           "CheckpointMismatch", "encode", "write_checkpoint"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import mmap
 import os
 import re
@@ -35,8 +34,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "Shard", "checkpoint_dir", "list_checkpoints", "encode", "serialize",
-           "write_tree", "decode", "tree_leaves"]
+__all__ = ["FORMAT", "Shard", "checkpoint_dir", "list_checkpoints", "encode", "write_tree",
+           "decode", "tree_leaves"]
 
 FORMAT = 1
 _NAME = re.compile(r"^step(\d{8})(\.partial)?$")
@@ -152,16 +151,6 @@ def encode(state: dict) -> tuple[Any, dict]:
                     for k, t in tensors.items()},
     }
     return encoded, layout
-
-
-def serialize(state: dict) -> tuple[bytes, dict]:
-    """(bytes of the rank's file, its layout for the manifest): ``encode``, then
-    ``torch.save`` into memory. A save writes the tree straight into its file instead
-    (``write_tree``): no copy of the whole state in memory first."""
-    encoded, layout = encode(state)
-    buf = io.BytesIO()
-    torch.save(encoded, buf)
-    return buf.getvalue(), layout
 
 
 def write_tree(path: str, encoded: Any) -> tuple[int, str]:
