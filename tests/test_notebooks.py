@@ -220,6 +220,20 @@ def test_no_notebook_source_has_control_characters():
     assert bad == []
 
 
+def test_no_notebook_repeats_a_cell():
+    """A script that inserts cells and then runs a second time leaves the same
+    explanation and code twice in a row, and the page reads it twice. Short cells
+    (a plt.show(), a one-line print) may repeat; a paragraph or a block of code may not."""
+    repeats = []
+    for p in ALL_NOTEBOOKS:
+        seen = {}
+        for i, c in enumerate(nbformat.read(p, as_version=4).cells):
+            if len(c.source) > 80 and c.source in seen:
+                repeats.append(f"{p.relative_to(ROOT)}: cell {i} repeats cell {seen[c.source]}")
+            seen.setdefault(c.source, i)
+    assert repeats == []
+
+
 def test_recording_waits_for_a_quiet_machine_and_refuses_a_busy_one():
     from tools.nbtool import wait_for_quiet
 

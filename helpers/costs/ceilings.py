@@ -48,10 +48,10 @@ from helpers.costs.network import wire_factor
 from helpers.costs.roofline import dp_tokens, gemm_flops
 from helpers.launch import rank_info
 
-__all__ = ["roofline_probe", "step_gemms", "step_gemm_flops", "crossover", "slowest"]
+__all__ = ["roofline_probe", "best_seconds", "linear_stack_step", "step_gemms", "step_gemm_flops", "crossover", "slowest"]
 
 
-def _best_seconds(fn, repeats: int, clk) -> float:
+def best_seconds(fn, repeats: int, clk) -> float:
     """The fastest of ``repeats`` timed calls after a warm-up. Other work on the machine
     only ever slows a call down, so the fastest is the closest to what the hardware
     does (Python's ``timeit`` docs make the same case for the minimum)."""
@@ -64,7 +64,7 @@ def _best_seconds(fn, repeats: int, clk) -> float:
     return min(times)
 
 
-def _data_parallel_step(weights: list, grads: list, x: torch.Tensor) -> None:
+def linear_stack_step(weights: list, grads: list, x: torch.Tensor) -> None:
     """Forward and backward of a stack of bias-free linear layers, written as its GEMMs
     so that it does exactly 6 P T FLOPs: per layer a_next = a W (forward), then
     g = g_next W^T and dW = a^T g_next (backward); each dW lands in ``grads``."""
@@ -123,14 +123,14 @@ def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64,
     out["thin"] = []                           # (m, FLOP/s) of the step's GEMMs on m tokens
     for m in thin:
         x = torch.randn(m, hidden, device=dev)
-        t = _best_seconds(lambda: _step_gemms(x, w), repeats, clk)
+        t = best_seconds(lambda: _step_gemms(x, w), repeats, clk)
         out["thin"].append((m, step_gemm_flops(m, hidden) / t))
     out["gemm_flops"] = max(rate for _, rate in out["thin"])   # the compute roof
 
     src = torch.empty(int(copy_mb * 2 ** 20) // 4, device=dev).uniform_()
     dst = torch.empty_like(src)
     dist.barrier()
-    t = _best_seconds(lambda: dst.copy_(src), repeats, clk)
+    t = best_seconds(lambda: dst.copy_(src), repeats, clk)
     out["memory_bw"] = 2 * src.numel() * 4 / t    # read + write
     del src, dst
 
@@ -143,7 +143,7 @@ def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64,
     def link_roof() -> float:
         # all-reduces of a few MB are cheap and the noisiest: three times the repeats
         dist.barrier()
-        t = _best_seconds(lambda: dist.all_reduce(buf), 3 * repeats, clk)
+        t = best_seconds(lambda: dist.all_reduce(buf), 3 * repeats, clk)
         return wire_factor("all_reduce", info.world_size) * buf.numel() * 4 / t
 
     out["link_bw"] = link_roof()
@@ -157,7 +157,7 @@ def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64,
     m = max(1, round(dp_tokens(flops, link, info.world_size, grad_bytes)))
     x = torch.randn(m, hidden, device=dev)
     out["crossover_gemm"] = (m, step_gemm_flops(m, hidden)
-                             / _best_seconds(lambda: _step_gemms(x, w), repeats, clk))
+                             / best_seconds(lambda: _step_gemms(x, w), repeats, clk))
     flops, link = _slowest_roofs(out["crossover_gemm"][1], out["link_bw"], dev)
     predicted = dp_tokens(flops, link, info.world_size, grad_bytes)
     out["predicted_from"] = (flops, link)      # the roofs that centred the sweep
@@ -170,9 +170,9 @@ def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64,
         n = max(1, round(predicted * 2.0 ** k))
         x = torch.randn(n, hidden, device=dev)
         dist.barrier()
-        compute = _best_seconds(lambda: _data_parallel_step(weights, grads, x), repeats, clk)
+        compute = best_seconds(lambda: linear_stack_step(weights, grads, x), repeats, clk)
         dist.barrier()
-        comm = _best_seconds(lambda: dist.all_reduce(flat), 3 * repeats, clk)
+        comm = best_seconds(lambda: dist.all_reduce(flat), 3 * repeats, clk)
         out["sweep"].append((n, compute, comm))
     # The same message is all-reduced at every T, so the sweep measures one number several
     # times over: the roof is the median of all those measurements (each the fastest of
