@@ -93,7 +93,7 @@ def test_at_the_predicted_knob_compute_and_communication_take_the_same_time(rank
 
 def test_each_family_waits_on_the_wire_it_names(ranks):
     """The reference transfer that measures W is the kind the family's step uses."""
-    kinds = {"all_reduce": {"all_reduce"}, "all_gather": {"all_gather_into_tensor",
+    kinds = {"all_reduce": {"all_reduce"}, "gather_scatter": {"all_gather_into_tensor",
                                                           "reduce_scatter_tensor"},
              "p2p": {"send", "recv"}, "all_to_all": {"all_to_all_single"}}
     for family, fam in sweeps.FAMILIES.items():
@@ -109,10 +109,21 @@ def test_a_sweep_on_ranks_is_centred_on_its_prediction_and_reports_it():
         result = sweeps.slowest(launch(sweeps.threshold_sweep, 2, family, spread=1, repeats=2))
         values = [v for v, _, _ in result["sweep"]]
         assert len(values) == 3 and values == sorted(values)
-        assert values[1] == max(1, round(result["predicted"]))
+        assert values[1] == result["centre"]
         assert result["flops"] > 0 and result["link_bw"] > 0
         text = sweeps.report(result)
         assert f"{result['predicted']:,.0f}" in text and sweeps.FAMILIES[family].formula in text
+
+
+def test_smoothing_reads_the_communication_as_one_number():
+    # one point's transfer slowed by a burst of other work moves nothing
+    sweep = [(10, 1.0, 2.0), (20, 2.0, 2.0), (40, 4.0, 9.0), (80, 8.0, 2.0)]
+    assert [tm for _, _, tm in sweeps.smoothed(sweep, 0)] == [2.0] * 4
+    # 0.5 ms of latency plus 0.1 ms per unit, one point slowed
+    grows = [(10, 1.0, 1.5), (20, 4.0, 2.5), (40, 16.0, 50.0), (80, 64.0, 8.5)]
+    assert [tm for _, _, tm in sweeps.smoothed(grows, 1)] == pytest.approx([1.5, 2.5, 4.5, 8.5])
+    powers = {name: fam.message_power(2) for name, fam in sweeps.FAMILIES.items()}
+    assert powers == {"dp": 0, "fsdp": 0, "tp": 0, "ep": 0, "cp": 1, "pp": 1}
 
 
 def test_crossover_interpolates_where_the_ratio_crosses_one():

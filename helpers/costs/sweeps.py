@@ -2,11 +2,12 @@
 
 ``helpers.costs.roofline`` derives, for every family, the value of one knob at which
 its compute time equals its communication time: the tokens per rank for data
-parallelism and FSDP, the hidden width for tensor parallelism, the sequence per rank
-for ring attention, the stage's width for a pipeline, the expert's width for expert
-parallelism. ``threshold_sweep(family)`` is a rank function (``launch(threshold_sweep,
-2, "tp")``) that runs that family's own work on the ranks at several values of the knob
-and times its two halves apart:
+parallelism and FSDP, each rank's share of the MLP's width for tensor parallelism
+(4h/t; the tokens and even h cancel), the sequence per rank for ring attention, the
+stage's width for a pipeline, the expert's width for expert parallelism.
+``threshold_sweep(family)`` is a rank function (``launch(threshold_sweep, 2, "tp")``)
+that runs that family's own work on the ranks at several values of the knob and times
+its two halves apart:
 
 * the **compute**: the GEMMs of one step of the family, forward and backward, written
   out so that they do exactly the FLOPs the formula counts (the elementwise work
@@ -15,18 +16,28 @@ and times its two halves apart:
 * the **communication**: the family's own collectives or point-to-point exchange on
   the tensors that step would send, as many as the formula counts.
 
-The ceilings the formula needs are measured first, in the same run and at the sizes
-the crossover works at (a GEMM on few tokens runs below the compute roof, a collective
+The ceilings the formula needs are measured in the same run, at the sizes the
+crossover works at (a GEMM on a thin matrix runs below the compute roof, a collective
 of a few hundred kB below the link's, because of its per-call latency; chapter 01's
-section 7 shows both): ``C``, the FLOP/s of the family's GEMMs at the knob the
-formula predicts, and ``W``, the bus bandwidth of one all-reduce of the size the
-family sends per call there (2(n-1)/n of the tensor over its seconds). Both are
-measured once more at the prediction they give (the GEMMs' rate changes with their
-shape), and the sweep is centred on the result. What the crossover then tests is the
-formula's counting: how many FLOPs the family does per unit of its knob and how many
-bytes its collectives send (two all-reduces or one, both directions of a ring or one,
-(n-1)/n or the whole tensor). A count off by a factor of two moves the prediction by
-two; noise on a shared machine moves it by tens of percent, hence ``TOLERANCE``.
+section 7 shows both):
+
+* ``C``, the FLOP/s of the family's GEMMs alone at the knob the formula predicts,
+  measured twice over (the second time at the prediction the first gave: the GEMMs'
+  rate changes with their shape); the sweep is centred on the result;
+* ``W``, the bandwidth of one plain transfer of the kind the family waits on, of the
+  size it sends per call (an all-reduce's bus bandwidth, 2(n-1)/n of the tensor over
+  its seconds; a point-to-point exchange's, the whole tensor; for FSDP one all-gather
+  and one reduce-scatter, since gloo runs the two at different speeds), taken again
+  between the sweep's points and used as their median.
+
+What the crossover then tests is the formula's counting: how many FLOPs the family
+does per unit of its knob and how many bytes its step sends (two all-reduces or one,
+K and V or K alone, four all-to-alls or two, (n-1)/n or the whole tensor). A count off
+by a factor of two moves the prediction by two; noise on a shared machine moves the
+measured crossover by tens of percent, hence ``TOLERANCE``. Where every point sends the
+same tensors (DP, FSDP, TP, EP) their time is one number, and the crossover uses the
+median of the points' times; where the tensors grow with the knob (CP, PP), a line
+through the points, latency plus bandwidth, fitted robustly (``smoothed``).
 
 Every figure is the fastest of ``repeats`` timed calls after a warm-up (other work on
 the machine only ever slows a call down); each rank returns its own and ``slowest``
@@ -38,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Callable
 
 import torch
@@ -51,7 +63,8 @@ from helpers.costs import roofline
 from helpers.costs.network import wire_factor
 from helpers.launch import rank_info
 
-__all__ = ["FAMILIES", "TOLERANCE", "threshold_sweep", "slowest", "crossover", "report"]
+__all__ = ["FAMILIES", "TOLERANCE", "threshold_sweep", "slowest", "smoothed", "crossover",
+           "report"]
 
 # A factor either way: the ceilings are the fastest of several runs and still move by
 # tens of percent on a shared machine from one second to the next; a slip in the
@@ -64,8 +77,8 @@ BYTES = 4                       # fp32 on every rank: CPU GEMMs and gloo run it 
 class Family:
     """One parallelism as the sweep sees it.
 
-    ``wire``: the kind of transfer it waits on ("all_reduce", "all_gather",
-    "all_to_all" or "p2p"); ``flops(x, n)``: the FLOPs one rank's step does at knob
+    ``wire``: the kind of transfer it waits on ("all_reduce", "gather_scatter": an
+    all-gather and a reduce-scatter, "all_to_all" or "p2p"); ``flops(x, n)``: the FLOPs one rank's step does at knob
     ``x`` on ``n`` ranks; ``message(x, n)``: the numel of one call's tensor;
     ``predict(C, W, n)``: the formula's knob at the crossover (``roofline``);
     ``step(x, n, device)``: the (compute, communicate) callables at knob ``x``."""
@@ -79,13 +92,18 @@ class Family:
     predict: Callable[[float, float, int], float]
     step: Callable
 
+    def message_power(self, n: int) -> int:
+        """How the tensors sent grow with the knob: 0, the same at every point (DP, FSDP,
+        TP, EP); 1, in proportion to it (CP, PP)."""
+        return round(math.log(self.message(1000, n) / self.message(10, n), 100))
+
 
 # -- the families' fixed sizes: small enough for a laptop, large enough that each
 #    collective moves at least tens of kB (below that gloo's latency is the message)
 DP_HIDDEN, DP_LAYERS = 256, 2          # DP and FSDP: P = 2 x 256^2 weights
-TP_TOKENS = 8192                       # TP: tokens per rank, one MLP block (h -> 4h -> h)
+TP_TOKENS, TP_HIDDEN = 1024, 64        # TP: tokens per rank and h of one MLP block
 CP_HIDDEN = 128                        # CP: width of Q, K and V in one attention block
-PP_TOKENS = 2048                       # PP: tokens per micro-batch through one h x h layer
+PP_TOKENS = 4096                       # PP: tokens per micro-batch through one h x h layer
 EP_TOKENS, EP_HIDDEN = 1024, 64        # EP: routed tokens per rank, model width
 
 
@@ -119,23 +137,18 @@ def _dp_step(tokens: float, n: int, dev, sharded: bool):
     return (lambda: linear_stack_step(weights, grads, x)), communicate
 
 
-def _tp_sizes(hidden: float, n: int) -> tuple[int, int]:
-    """h and this rank's share of the 4h-wide MLP, 4h / t (6 x 8 h^2 / t FLOPs a token)."""
-    h = max(1, round(hidden))
-    return h, max(1, 4 * h // n)
-
-
-def _tp_step(hidden: float, n: int, dev):
-    """TP, one MLP block as Megatron splits it: W1 by columns (h x 4h/t), W2 by rows
-    (4h/t x h); an all-reduce of the block's (T, h) output in the forward and of its
-    input gradient in the backward (Shoeybi et al. 2019, sec. 3)."""
-    h, f = _tp_sizes(hidden, n)
+def _tp_step(columns: float, n: int, dev):
+    """TP, one MLP block as Megatron splits it: W1 by columns (h x f/t), W2 by rows
+    (f/t x h); an all-reduce of the block's (T, h) output in the forward and of its
+    input gradient in the backward (Shoeybi et al. 2019, sec. 3). The knob is this
+    rank's share of the MLP's width, f/t (4h/t in a GPT); h is held at TP_HIDDEN."""
+    h, f = TP_HIDDEN, max(1, round(columns))
     x = torch.randn(TP_TOKENS, h, device=dev)
     w1, w2 = torch.randn(h, f, device=dev) / h ** 0.5, torch.randn(f, h, device=dev) / f ** 0.5
     out, gin = torch.empty(TP_TOKENS, h, device=dev), torch.empty(TP_TOKENS, h, device=dev)
 
     def compute():
-        y = x @ w1                     # forward: (T, h) @ (h, 4h/t), then (T, 4h/t) @ (4h/t, h)
+        y = x @ w1                     # forward: (T, h) @ (h, f/t), then (T, f/t) @ (f/t, h)
         torch.matmul(y, w2, out=out)
         g = out                        # backward: d(sum of squares / 2) / d out = out
         y.t() @ g                      # dW2
@@ -231,7 +244,9 @@ def _linear_stack_mlp(x, w1, w2) -> None:
 
 
 def _tp_predict(C, W, n):
-    return roofline.tp_hidden(C, W, n, weights_per_h2=8, dtype_bytes=BYTES, all_reduces=2)
+    # an MLP alone: a = 8 and two all-reduces; the threshold on h, as this rank's 4h/t
+    return 4 * roofline.tp_hidden(C, W, n, weights_per_h2=8, dtype_bytes=BYTES,
+                                  all_reduces=2) / n
 
 
 def _pp_predict(C, W, n):
@@ -246,16 +261,16 @@ FAMILIES = {
                  lambda t, n: _dp_numel(n, False),
                  lambda C, W, n: roofline.dp_tokens(C, W, n, BYTES),
                  lambda x, n, dev: _dp_step(x, n, dev, sharded=False)),
-    "fsdp": Family("ZeRO-3/FSDP", "tokens per rank per micro-batch", "all_gather",
+    "fsdp": Family("ZeRO-3/FSDP", "tokens per rank per micro-batch", "gather_scatter",
                    "T* = C/W x 3(n-1)/n x b / 6",
                    lambda t, n: 6 * DP_LAYERS * DP_HIDDEN ** 2 * t,
                    lambda t, n: _dp_numel(n, True),
                    lambda C, W, n: roofline.zero_tokens(C, W, n, 3, BYTES),
                    lambda x, n, dev: _dp_step(x, n, dev, sharded=True)),
-    "tp": Family("TP", "hidden width", "all_reduce",
-                 "h* = C/W x 2 x 2(t-1)/t x b x t / (6 x 8)",
-                 lambda h, n: 12 * _tp_sizes(h, n)[0] * _tp_sizes(h, n)[1] * TP_TOKENS,
-                 lambda h, n: TP_TOKENS * max(1, round(h)),
+    "tp": Family("TP", "MLP columns per rank", "all_reduce",
+                 "4h*/t, h* = C/W x 2 x 2(t-1)/t x b x t / (6 x 8),",
+                 lambda f, n: 12 * TP_HIDDEN * round(f) * TP_TOKENS,
+                 lambda f, n: TP_TOKENS * TP_HIDDEN,
                  _tp_predict, _tp_step),
     "cp": Family("CP (ring attention)", "sequence per rank", "p2p",
                  "s* = C/W x b / 2",
@@ -287,58 +302,73 @@ def _reference(wire: str, numel: int, n: int, dev) -> tuple[Callable, float]:
         recv, (right, left) = torch.empty_like(buf), _ring(n)
         return (lambda: [r.wait() for r in post_pair(buf, recv, right, left, None)]), \
             numel * BYTES
-    sent = wire_factor(wire, n) * numel * BYTES
     if wire == "all_reduce":
-        return (lambda: dist.all_reduce(buf)), sent
-    if wire == "all_gather":
+        return (lambda: dist.all_reduce(buf)), wire_factor("all_reduce", n) * numel * BYTES
+    if wire == "gather_scatter":      # one of each: the two may run at different speeds
         shard = torch.ones(numel // n, device=dev)
-        return (lambda: all_gather(buf, shard)), sent
+        return (lambda: (all_gather(buf, shard), reduce_scatter(shard, buf))), \
+            2 * wire_factor("all_gather", n) * numel * BYTES
     out = torch.empty_like(buf)
-    return (lambda: dist.all_to_all_single(out, buf)), sent
+    return (lambda: dist.all_to_all_single(out, buf)), wire_factor("all_to_all", n) * numel * BYTES
 
 
-def _roofs(fam: Family, x: float, n: int, dev, clk, repeats: int) -> tuple[float, float]:
-    """C and W at knob ``x``, the slowest rank's: the family's GEMMs alone, and one
-    transfer of the kind and size the family sends per call there."""
-    x = max(1, round(x))
+def _slowest(dev, *rates: float) -> list[float]:
+    """Each rate as the slowest rank has it (a collective runs at its slowest member's
+    pace), so that every rank sizes the sweep alike."""
+    inverse = torch.tensor([1 / r for r in rates], dtype=torch.float64, device=dev)
+    dist.all_reduce(inverse, op=dist.ReduceOp.MAX)
+    return [1 / v for v in inverse.tolist()]
+
+
+def _compute_roof(fam: Family, x: int, n: int, dev, clk, repeats: int) -> float:
+    """FLOP/s of the family's GEMMs alone at knob ``x``: the rate the step meets there."""
     compute, _ = fam.step(x, n, dev)
     dist.barrier()
-    flops = fam.flops(x, n) / best_seconds(compute, repeats, clk)
-    numel = max(n, fam.message(x, n)) // n * n
-    transfer, sent = _reference(fam.wire, numel, n, dev)
-    dist.barrier()
-    link = sent / best_seconds(transfer, 3 * repeats, clk)
-    slow = torch.tensor([1 / flops, 1 / link], dtype=torch.float64, device=dev)
-    dist.all_reduce(slow, op=dist.ReduceOp.MAX)
-    return 1 / slow[0].item(), 1 / slow[1].item()
+    return fam.flops(x, n) / best_seconds(compute, repeats, clk)
 
 
 def threshold_sweep(family: str, spread: int = 2, repeats: int = 5, start: float | None = None
                     ) -> dict:
     """Rank function: the ceilings at the predicted crossover, then the family's step at
     2^-spread ... 2^spread times it (module docstring). Returns the knob values with the
-    compute and communication seconds of each, and the ceilings the prediction used."""
+    compute and communication seconds of each, and the ceilings of the prediction."""
     fam = FAMILIES[family]
     info = rank_info()
     dev = torch.device(info.device)
     clk = clock_for(dev)
     n = info.world_size
     torch.manual_seed(info.rank)
-    x = start if start is not None else fam.predict(200e9, 2e9, n)   # any guess: refined twice
+
+    def reference(x: int):
+        """The plain transfer that measures W at knob x, and its bytes sent."""
+        return _reference(fam.wire, max(n, fam.message(x, n)) // n * n, n, dev)
+
+    def link_roof(transfer, sent) -> float:
+        dist.barrier()
+        return sent / best_seconds(transfer, 3 * repeats, clk)   # short and the noisiest
+
+    x = max(1, round(start if start is not None else fam.predict(200e9, 2e9, n)))
     for _ in range(2):                 # the GEMMs' rate depends on the shape: measure there
-        C, W = _roofs(fam, x, n, dev, clk, repeats)
-        x = fam.predict(C, W, n)
+        C, W = _slowest(dev, _compute_roof(fam, x, n, dev, clk, repeats),
+                        link_roof(*reference(x)))
+        x = max(1, round(fam.predict(C, W, n)))
+    transfer, sent = reference(x)
+    links = [W]
     sweep = []
     for k in range(-spread, spread + 1):
-        value = max(1, round(x * 2.0 ** k))
+        value = max(1, round(x * 2.0 ** k), sweep[-1][0] + 1 if sweep else 1)  # distinct
         compute, communicate = fam.step(value, n, dev)
         dist.barrier()
         tc = best_seconds(compute, repeats, clk)
         dist.barrier()
-        tm = best_seconds(communicate, 3 * repeats, clk)   # short and the noisiest
+        tm = best_seconds(communicate, 3 * repeats, clk)
         sweep.append((value, tc, tm))
-    return {"family": family, "world": n, "flops": C, "link_bw": W, "predicted": x,
-            "sweep": sweep}
+        links.append(link_roof(transfer, sent))   # W again, between the points
+    # W: the median of the reference's rates before and between the points, so that a
+    # burst of other work on the machine during one of them does not move the prediction
+    (W,) = _slowest(dev, statistics.median(links))
+    return {"family": family, "world": n, "flops": C, "link_bw": W,
+            "predicted": fam.predict(C, W, n), "centre": x, "sweep": sweep}
 
 
 def slowest(results: list[dict]) -> dict:
@@ -348,6 +378,23 @@ def slowest(results: list[dict]) -> dict:
                        max(r["sweep"][i][2] for r in results))
                       for i, (v, _, _) in enumerate(results[0]["sweep"])]
     return first
+
+
+def smoothed(sweep: list[tuple[float, float, float]], power: int
+             ) -> list[tuple[float, float, float]]:
+    """The sweep with its communication times read off one robust line, since its
+    points send tensors of size (knob)^power: for power 0 the median time; for power 1
+    a fixed cost (the per-call latency) plus a cost per unit of the knob, the line
+    through the points with the median of their pairwise slopes (Theil-Sen). A burst of
+    other work on the machine during one point's transfer then moves nothing."""
+    if power == 0:
+        comm = statistics.median(tm for _, _, tm in sweep)
+        return [(v, tc, comm) for v, tc, _ in sweep]
+    slope = statistics.median((b[2] - a[2]) / (b[0] - a[0])
+                              for i, a in enumerate(sweep) for b in sweep[i + 1:])
+    fixed = statistics.median(tm - slope * v for v, _, tm in sweep)
+    floor = min(tm for _, _, tm in sweep) / 2         # a line is never below half the fastest
+    return [(v, tc, max(floor, fixed + slope * v)) for v, tc, _ in sweep]
 
 
 def crossover(sweep: list[tuple[float, float, float]]) -> float | None:
@@ -367,15 +414,21 @@ def report(result: dict, units: str = "") -> str:
     fam = FAMILIES[result["family"]]
     lines = [f"{fam.name}: {fam.knob} swept on {result['world']} ranks "
              f"(compute and communication of one step, each the fastest of several runs)"]
-    for v, tc, tm in result["sweep"]:
-        side = "compute" if tc >= tm else "communication"
+    power = fam.message_power(result["world"])
+    smooth = smoothed(result["sweep"], power)
+    for (v, tc, tm), (_, _, line) in zip(result["sweep"], smooth):
+        side = "compute" if tc >= line else "communication"
         lines.append(f"  {fam.knob} = {v:6d}: compute {1e3 * tc:7.3f} ms, "
                      f"communication {1e3 * tm:7.3f} ms -> {side}-bound")
+    lines.append("  the same tensors are sent at every point: their time is the median, "
+                 f"{1e3 * smooth[0][2]:.3f} ms" if power == 0 else
+                 "  the tensors sent grow with the knob: their time is read off one line "
+                 "through the points (a fixed latency plus a cost per unit of the knob)")
     C, W = result["flops"], result["link_bw"]
     lines.append(f"  ceilings measured at the prediction: GEMMs {C / 1e9:.1f} GFLOP/s, "
                  f"link {W / 1e9:.2f} GB/s (ridge {C / W:,.0f} FLOPs per byte)")
     lines.append(f"  formula {fam.formula} on them: {result['predicted']:,.0f}{units}")
-    measured = crossover(result["sweep"])
+    measured = crossover(smooth)
     if measured is None:
         lines.append("  the two times did not cross inside the sweep: the machine was too "
                      "busy for a clean measurement; run the cell again")
