@@ -30,7 +30,7 @@ def _ship_test_modules_by_value() -> None:
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (``make test``: two workers on two cores) a worker's own torch
+    """Under pytest-xdist (``make test``: three workers on two cores) a worker's own torch
     work gets its share of the cores. torch's default, one intra-op thread per core in
     every worker, oversubscribes them: OpenMP threads that wait for each other then take
     turns with the other worker's, and a single-process training test that takes 1 s

@@ -4,7 +4,9 @@ One server per caller process (the notebook's kernel), started by the first
 launch (or, in a notebook, when ``helpers`` is imported: ``prestart``) and
 kept: later launches fork their ranks from it. It is replaced when it died, or
 when a file it imported or an environment variable read at torch's import
-changed (a fork would run stale code).
+changed (a fork would run stale code). Where a run of many notebooks started a
+zygote (``zygote.py``; ``_COURSE_ZYGOTE`` in the environment), the server is forked
+by it instead of started: the same server, without its seconds of imports.
 
 Where the ranks meet: a folder only this user can enter (``rundir``, made by
 ``tempfile.mkdtemp``, mode 0700, in /dev/shm where there is one). Each launch's
@@ -58,8 +60,70 @@ _IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+def import_time_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    return {k: v for k, v in (os.environ if env is None else env).items()
+            if k.startswith(_IMPORT_TIME_ENV)}
+
+
+def server_env() -> dict[str, str]:
+    """The environment a rank server starts with: the caller's, marked as the course's
+    worker, with the repository on the import path."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, _COURSE_POOL_WORKER="1",
+                PYTHONPATH=_ROOT + (os.pathsep + path if path else ""))
+
+
+# A zygote of servers (zygote.py), where a run of many notebooks started one: the path of
+# its socket, and its answer when a fork would not be faithful.
+ZYGOTE_ENV = "_COURSE_ZYGOTE"
+REFUSED = b"0"
+
+
+def zygote_server(fd: int, rundir: str, import_env: dict[str, str]) -> "Forked | None":
+    """A server forked by the zygote for the caller, talking on the socket ``fd``; None
+    when there is no zygote or it refused (the caller starts one of its own)."""
+    path = os.environ.get(ZYGOTE_ENV)
+    if not path:
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            socket.send_fds(s, [cloudpickle.dumps((rundir, import_env))], [fd])
+            reply = s.recv(64)
+    except OSError:
+        return None
+    if not reply or reply == REFUSED:
+        return None
+    return Forked(int(reply))
+
+
+class Forked:
+    """The caller's handle on a server a zygote forked: what ``Pool`` needs of a Popen.
+    The zygote reaps its children at once, so a pid that no longer exists is a server
+    that ended."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return -signal.SIGKILL
+        except PermissionError:
+            pass
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"server {self.pid}", timeout)
+            time.sleep(0.01)
+        return -signal.SIGKILL
 
 
 class ServerGone(Exception):
@@ -87,21 +151,23 @@ class Pool:
         import subprocess
 
         self.rundir = private_dir("course-launch-")
-        self.env_at_start = _import_time_env()
+        self.env_at_start = import_time_env()
         self.ready = False  # set by wait_ready
         self.stamps: dict[str, int] = {}  # filled by the server's "ready"
         self.exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> returncode
         self.pids: dict[int, dict[int, int]] = {}  # generation -> {rank: pid}, while it runs
         self.sock, theirs = socket.socketpair()
-        path = os.environ.get("PYTHONPATH")
-        env = dict(os.environ, _COURSE_POOL_WORKER="1", _COURSE_POOL_FD=str(theirs.fileno()),
-                   _COURSE_POOL_RUNDIR=self.rundir,
-                   PYTHONPATH=_ROOT + (os.pathsep + path if path else ""))
+        env = server_env()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from helpers.launch.server import server_entry; server_entry()"],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                start_new_session=True)  # its own process group: see _serve
+            # a zygote's fork where a run of many notebooks started one (zygote.py)
+            self.proc = zygote_server(theirs.fileno(), self.rundir, import_time_env(env)) \
+                or subprocess.Popen(
+                    [sys.executable, "-c",
+                     "from helpers.launch.server import server_entry; server_entry()"],
+                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                    env=dict(env, _COURSE_POOL_FD=str(theirs.fileno()),
+                             _COURSE_POOL_RUNDIR=self.rundir),
+                    start_new_session=True)  # its own process group: see server.serve
         finally:
             theirs.close()
         self.conn = mpc.Connection(os.dup(self.sock.fileno()))
@@ -193,7 +259,7 @@ class Pool:
                     return f"{os.path.relpath(path)} changed"
             except OSError:
                 return f"{os.path.relpath(path)} is gone"
-        now = _import_time_env()
+        now = import_time_env()
         changed = sorted(k for k in now.keys() | self.env_at_start.keys()
                          if now.get(k) != self.env_at_start.get(k))
         if changed:
@@ -257,31 +323,44 @@ def prestart() -> None:
 
 
 def get_pool(world_size: int) -> Pool:
-    """The running rank server, or a new one (saying so: it takes seconds)."""
+    """The running rank server, or a new one (saying so: it takes seconds, unless a
+    zygote forked it)."""
     global _POOL
     if _POOL is not None and not _POOL.ready:  # started ahead (prestart), or a wait was cut short
-        sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
-                         f"server imports torch once (a few seconds); later launches fork "
-                         f"fresh ranks from it ... ")
-        _wait_for(_POOL, time.monotonic())
+        _starting(_POOL, world_size)
+        _wait_for(_POOL, time.monotonic(), quiet=_forked(_POOL))
     if _POOL is not None:
         why = "the rank server died" if not _POOL.alive() else _POOL.stale()
         if why is None:
             return _POOL
         kill_pool()
         sys.stderr.write(f"[launch] {why}: restarting the rank server ... ")
+        restarting = True
     else:
-        sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
-                         f"server imports torch once (a few seconds); later launches fork "
-                         f"fresh ranks from it ... ")
+        restarting = False
     start = time.monotonic()
     _POOL = Pool()  # set first, so that an interrupt from here on kills it
-    _wait_for(_POOL, start)
+    if not restarting:
+        _starting(_POOL, world_size)
+    _wait_for(_POOL, start, quiet=_forked(_POOL) and not restarting)
     return _POOL
 
 
-def _wait_for(pool: Pool, start: float) -> None:
+def _forked(pool: Pool) -> bool:
+    """Forked by a zygote: ready in milliseconds, nothing to announce."""
+    return isinstance(pool.proc, Forked)
+
+
+def _starting(pool: Pool, world_size: int) -> None:
+    if not _forked(pool):
+        sys.stderr.write(f"[launch] starting {world_size} ranks. First launch only: a rank "
+                         f"server imports torch once (a few seconds); later launches fork "
+                         f"fresh ranks from it ... ")
+
+
+def _wait_for(pool: Pool, start: float, quiet: bool = False) -> None:
     sys.stderr.flush()
     pool.wait_ready(start + _START_TIMEOUT)
-    sys.stderr.write(f"ready in {time.monotonic() - start:.1f} s\n")
-    sys.stderr.flush()
+    if not quiet:
+        sys.stderr.write(f"ready in {time.monotonic() - start:.1f} s\n")
+        sys.stderr.flush()

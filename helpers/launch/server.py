@@ -24,7 +24,7 @@ from helpers.launch.errors import library_dirs
 from helpers.launch.rank import seed_everything, set_process_name, spare_main
 
 
-def _module_stamps() -> dict[str, int]:
+def module_stamps() -> dict[str, int]:
     """Files of the project's modules this process imported (not torch, not the
     standard library), with their modification times: if one changes, forks of
     this process would run stale code."""
@@ -46,6 +46,13 @@ def server_entry() -> None:
     # Own process group already (start_new_session); ignoring SIGINT as well
     # means even a signal to our group cannot kill an idle server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    preload()
+    serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)), rundir)
+
+
+def preload() -> None:
+    """What every fork of the server finds imported (the server's, and a zygote's:
+    ``helpers.launch.zygote``)."""
     import torch  # noqa: F401 - the point of the server: every fork has torch imported
     import torch.distributed  # noqa: F401
     # Every optimizer's constructor imports torch._dynamo (for its
@@ -57,10 +64,9 @@ def server_entry() -> None:
     # Work every rank would otherwise repeat: the first seeding imports
     # numpy.random (tens of ms). Nothing here starts a thread or touches CUDA.
     seed_everything(0)
-    _serve(mpc.Connection(fd), socket.socket(fileno=os.dup(fd)), rundir)
 
 
-def _serve(ctrl: mpc.Connection, sock: socket.socket, rundir: str = "") -> None:
+def serve(ctrl: mpc.Connection, sock: socket.socket, rundir: str = "") -> None:
     """The server's loop. Messages from the caller on ``ctrl``:
     ("launch", spec) followed by world_size socket fds -> hand each to a
     spare rank, reply ("started", generation, pids); ("kill", generation) ->
@@ -130,7 +136,7 @@ def _serve(ctrl: mpc.Connection, sock: socket.socket, rundir: str = "") -> None:
 
     n_spares = 0  # as many as the last launch had ranks
     with contextlib.suppress(Exception):
-        send(("ready", os.getpid(), _module_stamps()))
+        send(("ready", os.getpid(), module_stamps()))
         while True:
             # Refill the spares one at a time, and only while nothing else
             # waits: a launch that arrives meanwhile goes first.
