@@ -41,6 +41,7 @@ ALLOWED = {
     ("helpers/launch/pool.py", "kill_ranks", "monotonic"): "deadline for killed ranks to go",
     ("helpers/launch/pool.py", "get_pool", "monotonic"): "the rank server's start-up line",
     ("helpers/launch/pool.py", "_wait_for", "monotonic"): "the rank server's start-up line",
+    ("helpers/launch/pool.py", "wait", "monotonic"): "deadline for a zygote-forked server to end",
     ("helpers/launch/launcher.py", "launch", "monotonic"): "the launch's timeout",
     ("helpers/launch/launcher.py", "_collect", "monotonic"): "the launch's timeout",
     ("helpers/launch/torchrun.py", "_wait_for_agent", "time"):

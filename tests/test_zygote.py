@@ -24,8 +24,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = "_COURSE_ZYGOTE"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def zygote():
+    """One zygote for the module (each test's callers are new processes; a zygote
+    serves any number of them, which the first test checks too)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", "from helpers.launch.zygote import zygote_entry; zygote_entry()"],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,

@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 import nbformat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script (make check-labs): tools/ is on the path, not ROOT
+    sys.path.insert(0, str(ROOT))
+from tools import zygote  # noqa: E402  (standard library only)
 CHECK_CALL = re.compile(r"\bcheck_\w+\s*\(")
 DEFINES = re.compile(r"^(?:def|class)\s+(\w+)|^(\w+)\s*=", re.M)
 TAG = "@@check_labs@@ "  # prefix of the child's report lines on stdout
@@ -226,6 +229,7 @@ class Groups:
     and a mark in the environment of every process under them."""
     pgids: set[int] = field(default_factory=set)
     run_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
+    zygote_env: dict[str, str] = field(default_factory=dict)  # the run's zygote, if any
 
     def kill(self, pgid: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -272,11 +276,15 @@ def check_notebook(path: pathlib.Path, learner: str, timeout: float, exercise_ti
             for k, ex in enumerate(exs)]
 
 
+def _child_env(groups: Groups) -> dict[str, str]:
+    return dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+                **{RUN_MARK: groups.run_id})
+
+
 def _run_child(path, start, skip, deadline, exercise_timeout, outcomes, groups):
     """Run one child; None when it ran to the end, else the cell it hung or died in:
     (cell, its exercise or None, status, reason)."""
-    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
-               **{RUN_MARK: groups.run_id})
+    env = dict(_child_env(groups), **groups.zygote_env)
     proc = subprocess.Popen([sys.executable, __file__, "--child", str(path), str(start),
                              ",".join(map(str, sorted(skip)))],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
@@ -346,8 +354,8 @@ def check_folder(folder: pathlib.Path, timeout: float = 600, exercise_timeout: f
                  only: str | None = None, progress=None, groups: Groups | None = None,
                  jobs: int = 1) -> list[Result]:
     """Every lab notebook of every learner in ``folder``; ``jobs`` notebooks at a time
-    (each is a process of its own, with its own rank server: on a node, give each job
-    the cores its ranks need). The results come in the same order whatever ``jobs``."""
+    (each is a process of its own, with its own rank server, forked by the run's zygote:
+    on a node, give each job the cores its ranks need). The results come in the same order whatever ``jobs``."""
     from concurrent.futures import ThreadPoolExecutor
 
     groups = groups or Groups()
@@ -359,12 +367,21 @@ def check_folder(folder: pathlib.Path, timeout: float = 600, exercise_timeout: f
         if progress:
             progress(f"{learner}: {nb.name}")
         return check_notebook(nb, learner, timeout, exercise_timeout, groups)
+    # Several notebooks: one zygote forks every child's rank server, instead of each
+    # child importing torch a second time for its own (helpers/launch/zygote.py). It
+    # carries the run's mark and its own process group: kill_all ends it too.
+    started = zygote.start(_child_env(groups)) if len(todo) > 1 else None
+    if started:
+        groups.pgids.add(started[0].pid)
+        groups.zygote_env = {zygote.ENV: started[1]}
     try:
         # threads: each job only waits on its child processes' pipes
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             return [r for rs in pool.map(one, todo) for r in rs]
     finally:
         groups.kill_all()
+        if started:
+            zygote.stop(*started)
 
 
 def table(results: list[Result]) -> str:
