@@ -51,6 +51,8 @@ LAB_ARGS := --ServerApp.root_dir=$(CURDIR) \
 # an instructor's node brings its own CUDA build). It was resolved on one Python
 # version (its first line says which); on another, setup installs unpinned.
 CONSTRAINTS ?= constraints.txt
+# The optional groups setup installs (pyproject.toml); .ci/run adds site in the same call.
+EXTRAS ?= lab,dev
 # What make test-newest installs as torch: the newest release by default.
 TORCH_NEWEST ?= torch
 NEWEST := .venv-newest
@@ -87,7 +89,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	  echo "note: no GPU here, and on Linux PyPI's $(TORCH) is the CUDA build (several GB)."; \
 	  echo "      For PyTorch's CPU build: make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu"; fi
 	$(BIN)/python -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e ".[lab,dev]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" $$($(BIN)/python tools/lock.py pip-args $(CONSTRAINTS))
 	touch $(STAMP)
 
 test-newest:
