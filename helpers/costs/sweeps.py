@@ -1,4 +1,4 @@
-"""Each parallelism's threshold, shown on ranks: a sweep whose crossover lands where the formula says.
+"""Each parallelism's threshold on ranks: a sweep whose crossover lands where the formula says.
 
 ``helpers.costs.roofline`` derives, for every family, the value of one knob at which
 its compute time equals its communication time: the tokens per rank for data
@@ -78,8 +78,9 @@ class Family:
     """One parallelism as the sweep sees it.
 
     ``wire``: the kind of transfer it waits on ("all_reduce", "gather_scatter": an
-    all-gather and a reduce-scatter, "all_to_all" or "p2p"); ``flops(x, n)``: the FLOPs one rank's step does at knob
-    ``x`` on ``n`` ranks; ``message(x, n)``: the numel of one call's tensor;
+    all-gather and a reduce-scatter, "all_to_all" or "p2p"); ``flops(x, n)``: the
+    FLOPs one rank's step does at knob ``x`` on ``n`` ranks; ``message(x, n)``: the
+    numel of one call's tensor;
     ``predict(C, W, n)``: the formula's knob at the crossover (``roofline``);
     ``step(x, n, device)``: the (compute, communicate) callables at knob ``x``."""
 
@@ -230,10 +231,10 @@ def _ep_step(ffn: float, n: int, dev):
         for _ in range(4):             # dispatch, combine; their gradients back
             dist.all_to_all_single(routed, x)
 
-    return (lambda: _linear_stack_mlp(x, w1, w2)), communicate
+    return (lambda: _mlp_step(x, w1, w2)), communicate
 
 
-def _linear_stack_mlp(x, w1, w2) -> None:
+def _mlp_step(x, w1, w2) -> None:
     """A two-matrix MLP, forward and backward, as its six GEMMs."""
     y = x @ w1
     out = y @ w2
@@ -268,7 +269,7 @@ FAMILIES = {
                    lambda C, W, n: roofline.zero_tokens(C, W, n, 3, BYTES),
                    lambda x, n, dev: _dp_step(x, n, dev, sharded=True)),
     "tp": Family("TP", "MLP columns per rank", "all_reduce",
-                 "4h*/t, h* = C/W x 2 x 2(t-1)/t x b x t / (6 x 8),",
+                 "4h*/t, with h* = C/W x 2 x 2(t-1)/t x b x t / (6 x 8)",
                  lambda f, n: 12 * TP_HIDDEN * round(f) * TP_TOKENS,
                  lambda f, n: TP_TOKENS * TP_HIDDEN,
                  _tp_predict, _tp_step),

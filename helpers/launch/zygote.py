@@ -6,18 +6,20 @@ Every kernel starts its own rank server (``pool``), and a server's start is an i
 of torch and torch._dynamo: about 2 s of CPU, on the same two cores as the kernel's own
 imports, and part of it is still in the way when the notebook's first launch comes. A
 learner pays that once per kernel. A run that executes dozens of notebooks one after
-another (the notebook half of ``make test``, ``make notebooks``) pays it dozens of
+another (the notebook half of ``make test``, ``make check-labs``) pays it dozens of
 times for the same imports.
 
 So such a run starts one zygote first (the repository's ``conftest.py`` does it for
-nbval, from the directory above ``helpers`` and with the kernels' own environment):
+nbval, ``tools/check_labs.py`` for a room, both through ``tools/zygote.py``, from the
+directory above ``helpers`` and with the environment their notebooks will have):
 ``python -c "from helpers.launch.zygote import zygote_entry; zygote_entry()"``, a
 process that imports what a server imports, listens on a socket in a private folder
-and prints the socket's path. A kernel that finds ``_COURSE_ZYGOTE`` in its environment asks it for a
-server (``request``): the zygote forks, and the child becomes that kernel's server,
-exactly as one it had started itself: its own session (process group), its socket to
-the kernel, its ranks, dying with the kernel and taking its ranks with it (``server``).
-The fork costs milliseconds. The zygote runs no launch and no learner's code.
+and prints the socket's path. A kernel that finds ``_COURSE_ZYGOTE`` in its
+environment asks it for a server (``pool.zygote_server``): the zygote forks, and the
+child becomes that kernel's server, exactly as one it had started itself: its own
+session (process group), its socket to the kernel, its ranks, dying with the kernel
+and taking its ranks with it (``server``). The fork costs milliseconds. The zygote
+runs no launch and no learner's code.
 
 When a kernel gets its own server anyway: no zygote in its environment, the zygote gone,
 or a difference that a fork would carry over: an environment variable read when torch
