@@ -48,7 +48,8 @@ from helpers.costs.network import wire_factor
 from helpers.costs.roofline import dp_tokens, gemm_flops
 from helpers.launch import rank_info
 
-__all__ = ["roofline_probe", "best_seconds", "linear_stack_step", "step_gemms", "step_gemm_flops", "crossover", "slowest"]
+__all__ = ["roofline_probe", "best_seconds", "linear_stack_step", "slowest_rates", "step_gemms",
+           "step_gemm_flops", "smoothed", "crossing", "crossover", "slowest"]
 
 
 def best_seconds(fn, repeats: int, clk) -> float:
@@ -98,12 +99,12 @@ def _step_gemms(x: torch.Tensor, w: torch.Tensor) -> None:
     x.t() @ y
 
 
-def _slowest_roofs(gemm_flops: float, link_bw: float, dev) -> tuple[float, float]:
-    """Every rank's lowest compute and link roof (a collective runs at its slowest
-    member's pace), so that all ranks size the sweep alike."""
-    t = torch.tensor([1 / gemm_flops, 1 / link_bw], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return 1 / t[0].item(), 1 / t[1].item()
+def slowest_rates(dev, *rates: float) -> list[float]:
+    """Each rate as the slowest rank has it (a collective runs at its slowest member's
+    pace), so that every rank sizes its sweep alike."""
+    inverse = torch.tensor([1 / r for r in rates], dtype=torch.float64, device=dev)
+    dist.all_reduce(inverse, op=dist.ReduceOp.MAX)
+    return [1 / v for v in inverse.tolist()]
 
 
 def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64, 256),
@@ -153,12 +154,12 @@ def roofline_probe(hidden: int = 512, layers: int = 2, thin: tuple = (4, 16, 64,
     # crossover on the best rate, then the GEMMs measured alone on that many tokens, and
     # the sweep centred on the crossover the slowest rank's roofs then predict.
     grad_bytes = 4
-    flops, link = _slowest_roofs(out["gemm_flops"], out["link_bw"], dev)
+    flops, link = slowest_rates(dev, out["gemm_flops"], out["link_bw"])
     m = max(1, round(dp_tokens(flops, link, info.world_size, grad_bytes)))
     x = torch.randn(m, hidden, device=dev)
     out["crossover_gemm"] = (m, step_gemm_flops(m, hidden)
                              / best_seconds(lambda: _step_gemms(x, w), repeats, clk))
-    flops, link = _slowest_roofs(out["crossover_gemm"][1], out["link_bw"], dev)
+    flops, link = slowest_rates(dev, out["crossover_gemm"][1], out["link_bw"])
     predicted = dp_tokens(flops, link, info.world_size, grad_bytes)
     out["predicted_from"] = (flops, link)      # the roofs that centred the sweep
     weights = [torch.randn(hidden, hidden, device=dev) / hidden ** 0.5 for _ in range(layers)]
@@ -201,14 +202,36 @@ def slowest(results: list[dict]) -> dict:
     return first
 
 
-def crossover(sweep: list[tuple[float, float, float]]) -> float | None:
-    """Tokens where the compute time meets the all-reduce's time. The all-reduce is the
-    same message at every T, so its time is one number: the median of the sweep's. The
-    compute is interpolated on log-log axes (it grows as a power of the tokens) between
-    the first two neighbours on either side; None if it never crosses."""
-    comm = statistics.median(a for _, _, a in sweep)
-    for (n0, c0, _), (n1, c1, _) in zip(sweep, sweep[1:]):
-        if c0 < comm <= c1:
-            f = math.log(comm / c0) / math.log(c1 / c0)
-            return math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0)))
+def smoothed(sweep: list[tuple[float, float, float]], power: int
+             ) -> list[tuple[float, float, float]]:
+    """The sweep with its communication times read off one robust line, since its
+    points send tensors of size (knob)^power: for power 0 the median time; for power 1
+    a fixed cost (the per-call latency) plus a cost per unit of the knob, the line
+    through the points with the median of their pairwise slopes (Theil-Sen). A burst of
+    other work on the machine during one point's transfer then moves nothing."""
+    if power == 0:
+        comm = statistics.median(tm for _, _, tm in sweep)
+        return [(v, tc, comm) for v, tc, _ in sweep]
+    slope = statistics.median((b[2] - a[2]) / (b[0] - a[0])
+                              for i, a in enumerate(sweep) for b in sweep[i + 1:])
+    fixed = statistics.median(tm - slope * v for v, _, tm in sweep)
+    floor = min(tm for _, _, tm in sweep) / 2         # a line is never below half the fastest
+    return [(v, tc, max(floor, fixed + slope * v)) for v, tc, _ in sweep]
+
+
+def crossing(sweep: list[tuple[float, float, float]]) -> float | None:
+    """The knob where compute / communication crosses 1, interpolated on log-log axes
+    between the two neighbouring points (both grow as powers of the knob); None if the
+    ratio never crosses inside the sweep."""
+    pts = [(math.log(v), math.log(tc / tm)) for v, tc, tm in sweep]
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+        if r0 < 0 <= r1:
+            return math.exp(x0 + (0 - r0) / (r1 - r0) * (x1 - x0))
     return None
+
+
+def crossover(sweep: list[tuple[float, float, float]]) -> float | None:
+    """Tokens where the data-parallel sweep's compute time meets its all-reduce's time.
+    The all-reduce is the same message at every T, so its time is one number, the median
+    of the sweep's (``smoothed`` with power 0); None if they never cross."""
+    return crossing(smoothed(sweep, 0))

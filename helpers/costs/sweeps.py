@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 
 from helpers.clock import clock_for
-from helpers.costs.ceilings import best_seconds, linear_stack_step
+from helpers.costs.ceilings import (best_seconds, crossing as crossover, linear_stack_step,
+                                    slowest_rates, smoothed)
 from helpers.collectives.ring import post_pair
 from helpers.comm import all_gather, group_rank, reduce_scatter
 from helpers.costs import roofline
@@ -313,14 +314,6 @@ def _reference(wire: str, numel: int, n: int, dev) -> tuple[Callable, float]:
     return (lambda: dist.all_to_all_single(out, buf)), wire_factor("all_to_all", n) * numel * BYTES
 
 
-def _slowest(dev, *rates: float) -> list[float]:
-    """Each rate as the slowest rank has it (a collective runs at its slowest member's
-    pace), so that every rank sizes the sweep alike."""
-    inverse = torch.tensor([1 / r for r in rates], dtype=torch.float64, device=dev)
-    dist.all_reduce(inverse, op=dist.ReduceOp.MAX)
-    return [1 / v for v in inverse.tolist()]
-
-
 def _compute_roof(fam: Family, x: int, n: int, dev, clk, repeats: int) -> float:
     """FLOP/s of the family's GEMMs alone at knob ``x``: the rate the step meets there."""
     compute, _ = fam.step(x, n, dev)
@@ -350,7 +343,7 @@ def threshold_sweep(family: str, spread: int = 2, repeats: int = 5, start: float
 
     x = max(1, round(start if start is not None else fam.predict(200e9, 2e9, n)))
     for _ in range(2):                 # the GEMMs' rate depends on the shape: measure there
-        C, W = _slowest(dev, _compute_roof(fam, x, n, dev, clk, repeats),
+        C, W = slowest_rates(dev, _compute_roof(fam, x, n, dev, clk, repeats),
                         link_roof(*reference(x)))
         x = max(1, round(fam.predict(C, W, n)))
     transfer, sent = reference(x)
@@ -367,7 +360,7 @@ def threshold_sweep(family: str, spread: int = 2, repeats: int = 5, start: float
         links.append(link_roof(transfer, sent))   # W again, between the points
     # W: the median of the reference's rates before and between the points, so that a
     # burst of other work on the machine during one of them does not move the prediction
-    (W,) = _slowest(dev, statistics.median(links))
+    (W,) = slowest_rates(dev, statistics.median(links))
     return {"family": family, "world": n, "flops": C, "link_bw": W,
             "predicted": fam.predict(C, W, n), "centre": x, "sweep": sweep}
 
@@ -379,34 +372,6 @@ def slowest(results: list[dict]) -> dict:
                        max(r["sweep"][i][2] for r in results))
                       for i, (v, _, _) in enumerate(results[0]["sweep"])]
     return first
-
-
-def smoothed(sweep: list[tuple[float, float, float]], power: int
-             ) -> list[tuple[float, float, float]]:
-    """The sweep with its communication times read off one robust line, since its
-    points send tensors of size (knob)^power: for power 0 the median time; for power 1
-    a fixed cost (the per-call latency) plus a cost per unit of the knob, the line
-    through the points with the median of their pairwise slopes (Theil-Sen). A burst of
-    other work on the machine during one point's transfer then moves nothing."""
-    if power == 0:
-        comm = statistics.median(tm for _, _, tm in sweep)
-        return [(v, tc, comm) for v, tc, _ in sweep]
-    slope = statistics.median((b[2] - a[2]) / (b[0] - a[0])
-                              for i, a in enumerate(sweep) for b in sweep[i + 1:])
-    fixed = statistics.median(tm - slope * v for v, _, tm in sweep)
-    floor = min(tm for _, _, tm in sweep) / 2         # a line is never below half the fastest
-    return [(v, tc, max(floor, fixed + slope * v)) for v, tc, _ in sweep]
-
-
-def crossover(sweep: list[tuple[float, float, float]]) -> float | None:
-    """The knob where compute / communication crosses 1, interpolated on log-log axes
-    between the two neighbouring points (both grow as powers of the knob); None if the
-    ratio never crosses inside the sweep."""
-    pts = [(math.log(v), math.log(tc / tm)) for v, tc, tm in sweep]
-    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
-        if r0 < 0 <= r1:
-            return math.exp(x0 + (0 - r0) / (r1 - r0) * (x1 - x0))
-    return None
 
 
 def report(result: dict, units: str = "") -> str:
